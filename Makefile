@@ -1,0 +1,29 @@
+# nrl-flows: one-command setup. torch is pinned to the CPU build that lies on disk here.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python -m flows.demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
