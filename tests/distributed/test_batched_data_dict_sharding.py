@@ -13,9 +13,11 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataD
 from nrl_tasks.distributed.sequence_packing import (
     deal_balanced,
     deal_round_robin,
+    equalize_bins,
     first_fit_decreasing,
     modified_first_fit_decreasing,
     padded_length,
+    plan_packed_shards,
     split_to_multiple,
 )
 
@@ -191,6 +193,26 @@ def test_split_to_multiple_and_dealing():
     assert all(len(s) == 3 for s in balanced)
 
 
+def test_equalize_bins():
+    # FFD: [2000, 2000] and fourteen 100s -> bins of 4000 and 1400 tokens
+    lengths = [2000, 2000] + [100] * 14
+    ffd = first_fit_decreasing(lengths, 4096)
+    assert [sum(lengths[i] for i in b) for b in ffd] == [4000, 1400]
+    even = equalize_bins(ffd, lengths, 4096)
+    assert [sum(lengths[i] for i in b) for b in even] == [2700, 2700]
+    assert equalize_bins([[0], [1, 2]], [5, 3, 3], 5) == [[0], [1, 2]]  # 6 > 5: kept as given
+
+
+def test_packing_balances_tokens_where_round_robin_does_not():
+    """NeMo-RL deals bins round-robin: here one rank gets 4000 tokens, the other 1400."""
+    lengths = [2000, 2000] + [100] * 14
+    shards, _ = _rollouts(lengths).shard_by_batch_size(2, sequence_packing_cfg=_pack(4096))
+    assert [sum(s.micro_batch_lengths[0]) for s in shards] == [2700, 2700]
+    _, robin = plan_packed_shards(lengths, 2, 16, 4096, "first_fit_decreasing",
+                                  balance=False, equalize=False)
+    assert [sum(p[1][0]) for p in robin] == [4000, 1400]
+
+
 # --------------------------------------------------------------- sequence packing shards
 def test_sequence_packing_shards_and_iterator():
     lengths = [7, 2, 5, 3, 6, 1, 4, 8, 3, 5]
@@ -288,6 +310,14 @@ def test_packing_and_dealing_vs_references(lengths, slack, shards):
         if len(lengths) < shards:
             continue
         bins = split_to_multiple(bins, lengths, shards)
+        assert len(bins) % shards == 0 and all(bins)
+        even = equalize_bins(bins, lengths, capacity)
+        assert len(even) == len(bins) and all(even)
+        assert sorted(i for b in even for i in b) == list(range(len(lengths)))
+        loads = [sum(lengths[i] for i in b) for b in even]
+        assert max(loads) <= capacity
+        if even != bins:  # worst-fit decreasing: spread at most one row
+            assert max(loads) - min(loads) <= max(lengths)
         tokens = [sum(lengths[i] for i in b) for b in bins]
         balanced = [sum(tokens[b] for b in s) for s in deal_balanced(tokens, shards)]
         robin = [sum(tokens[b] for b in s) for s in deal_round_robin(tokens, shards)]
