@@ -440,8 +440,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         them) rows are reordered and a micro-batch plan is stored on every shard (see the module
         docstring); the call then returns ``(shards, indices)`` where
         ``BatchedDataDict.from_batches(shards)`` followed by ``reorder_data(indices)`` restores
-        the original order. With packing, every global batch needs at least ``shards`` rows and
-        ``batch_size`` need not divide by ``shards``: shards hold whole bins, balanced by tokens.
+        the original order. With packing, ``batch_size`` need not divide by ``shards``: shards
+        hold whole bins, the same number each, balanced by tokens; when a global batch has fewer
+        rows than the bins it needs (e.g. fewer rows than shards), some bins are empty and their
+        micro-batch is a 0-row ``SlicedDataDict`` that the rank must still step through.
 
         >>> from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
         >>> # Create a batch of two message logs with different lengths
@@ -598,8 +600,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 continue
             parts = [received[r][slice(*spans[r][k])].view(desc[1]).reshape(gathered[r][0][k][2])
                      for r in ranks]
-            mine = self.data.get(k)
-            out[k] = _concat(k, parts, 0).to(mine.device if isinstance(mine, torch.Tensor) else "cpu")
+            mine = self.data.get(k)  # results live where this rank's column lived
+            out[k] = _concat(k, parts, 0).to(mine.device if isinstance(mine, torch.Tensor) else parts[0].device)
         return out
 
 

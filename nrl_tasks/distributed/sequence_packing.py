@@ -15,7 +15,8 @@ Two bin-forming algorithms (names as NeMo-RL's config spells them):
   leftover that fits; FFD packs what remains into new bins.
 
 ``pack_for_shards`` then (1) makes the bin count a multiple of the shard count (splitting the
-fullest multi-row bins: every bin keeps at least one row), (2) re-spreads the rows over that
+fullest multi-row bins; only a global batch with fewer rows than the needed bins gets empty
+bins, which its shards run as empty micro-batches to stay in lock-step), (2) re-spreads the rows over that
 many bins so they carry near-equal tokens when that fits the capacity (worst-fit decreasing;
 otherwise the algorithm's bins stay), and (3) gives every shard the same number of bins,
 balancing **tokens** (greedy longest-processing-time with a per-shard bin quota, then pairwise
@@ -190,19 +191,18 @@ def split_to_multiple(
     """Add bins until their count is a positive multiple of ``multiple``.
 
     Each new bin takes the longest row of the multi-row bin holding the most tokens, so no bin
-    is ever empty and none grows. Raises ``ValueError`` when there are fewer rows than the
-    needed bin count.
+    grows. Only when every bin is down to one row (fewer rows than the needed bin count) are
+    the remaining new bins left **empty**: a shard then runs an empty micro-batch at that step.
     """
-    rows = sum(len(b) for b in bins)
     target = max(1, -(-len(bins) // multiple)) * multiple
-    if rows < target:
-        raise ValueError(
-            f"{rows} rows cannot fill {target} non-empty bins (a multiple of {multiple} shards)"
-        )
     out = [list(b) for b in bins]
     load = [sum(lengths[i] for i in b) for b in out]
     while len(out) < target:
-        src = max((b for b in range(len(out)) if len(out[b]) > 1), key=lambda b: (load[b], -b))
+        multi = [b for b in range(len(out)) if len(out[b]) > 1]
+        if not multi:
+            out += [[] for _ in range(target - len(out))]
+            break
+        src = max(multi, key=lambda b: (load[b], -b))
         row = max(out[src], key=lambda i: (lengths[i], -i))
         out[src].remove(row)
         load[src] -= lengths[row]
@@ -280,8 +280,9 @@ def equalize_bins(
     """Re-spread the rows over the same number of bins with near-equal tokens, if they fit.
 
     Worst-fit decreasing: longest row first, each into the bin with the fewest tokens (ties: fewer
-    rows, lower index), so the first ``len(bins)`` rows open distinct bins and no bin is empty.
-    If a row does not fit the emptiest bin, the given bins are returned unchanged.
+    rows, lower index), so the first ``len(bins)`` rows open distinct bins (no bin is empty when
+    there are at least as many rows as bins). If a row does not fit the emptiest bin, the given
+    bins are returned unchanged.
     """
     rows = sorted((i for b in bins for i in b), key=lambda i: (-lengths[i], i))
     out: list[list[int]] = [[] for _ in bins]
@@ -307,14 +308,19 @@ def pack_for_shards(
 
     The algorithm fixes how many bins are needed (rounded up to a multiple of ``shards``);
     ``equalize`` then evens their tokens (``equalize_bins``) and ``balance`` deals them by tokens
-    (``deal_balanced``). Every shard gets the same number of non-empty bins. ``balance=False``
+    (``deal_balanced``). Every shard gets the same number of bins; a bin is empty only when the
+    global batch has fewer rows than bins (see ``split_to_multiple``). ``balance=False``
     and ``equalize=False`` is NeMo-RL's round-robin (kept for benchmarks and tests).
     """
-    bins = split_to_multiple(pack(lengths, capacity, algorithm), lengths, shards)
-    if equalize:
-        bins = equalize_bins(bins, lengths, capacity)
+    packed = split_to_multiple(pack(lengths, capacity, algorithm), lengths, shards)
+    bins = equalize_bins(packed, lengths, capacity) if equalize else packed
     tokens = [sum(lengths[i] for i in b) for b in bins]
     dealt = deal_balanced(tokens, shards) if balance else deal_round_robin(tokens, shards)
+    if balance and bins is not packed:  # never above NeMo-RL's heaviest shard
+        packed_tokens = [sum(lengths[i] for i in b) for b in packed]
+        robin = deal_round_robin(packed_tokens, shards)
+        if max(_loads(robin, packed_tokens)) < max(_loads(dealt, tokens)):
+            bins, dealt = packed, robin
     return [[bins[b] for b in shard] for shard in dealt]
 
 
@@ -352,10 +358,6 @@ def plan_packed_shards(
                 f"sequence_length_pad_multiple={pad_multiple}), more than "
                 f"max_tokens_per_microbatch={capacity}"
             )
-    if lengths and batch_size < shards:
-        raise ValueError(
-            f"global batches of {batch_size} rows cannot give each of {shards} shards a bin"
-        )
     rows: list[list[int]] = [[] for _ in range(shards)]
     plans: list[ShardPlan] = [([], [], []) for _ in range(shards)]
     totals = [0] * shards
