@@ -165,12 +165,15 @@ def _make_cache(model: Any) -> Any:
         return DynamicCache()
 
 
-def _forward_kwargs(model: Any) -> dict[str, Any]:
+def _forward_kwargs(model: Any) -> tuple[str, dict[str, Any]]:
+    """The KV-cache keyword of ``model.forward`` (``cache`` since transformers 5.2x, formerly
+    ``past_key_values``) and extra kwargs (``logits_to_keep=1`` where supported)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return {}
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        return "past_key_values", {}
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    return cache_kw, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 
 @torch.no_grad()
@@ -214,9 +217,9 @@ def _decode_chunk(
     active = torch.ones(b, dtype=torch.bool, device=device)
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
 
-    cache = _make_cache(model)
-    extra = _forward_kwargs(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
+    cache_kw, extra = _forward_kwargs(model)
+    extra[cache_kw] = _make_cache(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     logits = out.logits[:, -1, :]
     for step in range(max_steps):
         scores = logits.float() / temperature
@@ -249,7 +252,7 @@ def _decode_chunk(
         if not bool(active.any()):
             break
         mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True, **extra)
+        out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True, **extra)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return gen.cpu(), gen_lp.cpu(), gen_len.cpu(), stopped.cpu()

