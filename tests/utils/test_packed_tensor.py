@@ -347,3 +347,26 @@ def test_round_trip_property(specs, target, legacy, prod_buffers, cons_buffers, 
     if not legacy:
         sizes = [math.prod(s) * d.itemsize for s, d in specs]
         assert all(s.numel() <= target or s.numel() in sizes for s in prod.sent)
+
+
+def test_legacy_packing_interops_with_vllm_consumer():
+    """Our producer with use_legacy_packing=True feeds vLLM's own packed consumer (untested here: no vllm)."""
+    import importlib
+    import importlib.util
+    import inspect
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed in this environment: interop with vLLM's consumer is untested here")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM's packed consumer allocates CUDA buffers and streams: needs a GPU")
+    module = importlib.import_module("vllm.distributed.weight_transfer.packed_tensor")
+    consumer = getattr(module, "packed_nccl_broadcast_consumer", None) or getattr(module, "packed_broadcast_consumer")
+    target = 4096
+    params = [(n, t.cuda()) for n, t in mixed_params(4) if t.numel() > 0]
+    prod = SyncRecordingGroup(rank=0)
+    packed_broadcast_producer(iter(params), prod, 0, lambda it: it[1], buffer_size_bytes=target, use_legacy_packing=True)
+    cons = SyncRecordingGroup(rank=1, sent=[s.cuda() for s in prod.sent])
+    received: list[tuple[str, torch.Tensor]] = []
+    kwargs = {"buffer_size_bytes": target} if "buffer_size_bytes" in inspect.signature(consumer).parameters else {}
+    consumer(iter(metadata(params)), cons, 0, lambda batch: received.extend((n, t.clone()) for n, t in batch), **kwargs)
+    assert_same([(n, t.cpu()) for n, t in params], [(n, t.cpu()) for n, t in received])
