@@ -1,0 +1,72 @@
+"""Dotted ``key=value`` overrides applied to a nested config dict (before validation).
+
+Values are parsed as YAML scalars/flow collections (``3`` → int, ``1e-5`` → float,
+``true`` → bool, ``null`` → None, ``[1,2]`` → list); anything else stays a string.
+
+>>> apply_overrides({"grpo": {"max_num_steps": 10}}, ["grpo.max_num_steps=3", "policy.optimizer.kwargs.lr=1e-5"])
+{'grpo': {'max_num_steps': 3}, 'policy': {'optimizer': {'kwargs': {'lr': 1e-05}}}}
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, Iterable
+
+import yaml
+
+__all__ = ["apply_overrides", "parse_override", "parse_value"]
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value.
+
+    YAML 1.1 reads ``1e-5`` as a string; we read it as a float.
+
+    >>> parse_value("1e-5"), parse_value("true"), parse_value("null"), parse_value("a b")
+    (1e-05, True, None, 'a b')
+    """
+    stripped = text.strip()
+    if _FLOAT_RE.match(stripped) and not stripped.lstrip("+-").isdigit():
+        return float(stripped)
+    try:
+        return yaml.safe_load(stripped) if stripped else ""
+    except yaml.YAMLError:
+        return text
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into (``["a", "b", "c"]``, parsed value)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} is not of the form key=value (e.g. grpo.max_num_steps=3)")
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if not _KEY_RE.match(key):
+        raise ValueError(f"override key {key!r} is not a dotted name (e.g. policy.optimizer.kwargs.lr)")
+    return key.split("."), parse_value(value)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a deep copy of ``data`` with every ``key=value`` override applied in order.
+
+    A key path through a non-mapping value raises ``ValueError`` naming the key.
+    Unknown keys are created here and rejected later by the pydantic models.
+    """
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ValueError(
+                    f"override {item!r}: {'.'.join(path[: i + 1])} is a {type(nxt).__name__}, not a section"
+                )
+            node = nxt
+        node[path[-1]] = value
+    return out

@@ -1,0 +1,237 @@
+"""Prompt datasets: the built-in arithmetic generator or a user file, and the per-step draw.
+
+Records are ``{"prompt": str, "answer": str}``. A user file is JSONL, Parquet or Arrow
+(IPC file or stream), local or ``s3://``; the columns are named by ``data.prompt_key`` and
+``data.answer_key``. Problems (missing column or field, empty prompt, non-UTF-8 bytes) raise
+``ValueError`` naming the file and row.
+
+The draw is deterministic: the prompts of step ``k`` (steps count from 1) are positions
+``(k-1)*P .. k*P-1`` of an endless stream made of one permutation of the records per epoch,
+each seeded from ``(seed, epoch)``. The data cursor is therefore just the last trained step.
+
+>>> order = epoch_permutation(5, seed=3, epoch=0)
+>>> sorted(order) == list(range(5)), order == epoch_permutation(5, seed=3, epoch=0)
+(True, True)
+>>> step_record_indices(num_records=5, step=2, num_prompts=3, seed=0, shuffle=False)
+[3, 4, 0]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from typing import Any, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "derive_seed",
+    "epoch_permutation",
+    "format_prompt",
+    "load_prompt_file",
+    "load_prompt_records",
+    "step_record_indices",
+    "tokenize_prompts",
+]
+
+
+def derive_seed(seed: int, *parts: Any) -> int:
+    """A 63-bit seed from ``(seed, *parts)`` (e.g. ``(seed, step, "generate", i)``), stable everywhere.
+
+    >>> derive_seed(1, 2, "generate", 0) == derive_seed(1, 2, "generate", 0) != derive_seed(1, 2, "generate", 1)
+    True
+    """
+    blob = json.dumps([int(seed), *[p if isinstance(p, (int, str)) else str(p) for p in parts]]).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """Permutation of ``range(n)`` for ``epoch`` (a ``torch.Generator`` seeded from (seed, epoch))."""
+    g = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+def step_record_indices(*, num_records: int, step: int, num_prompts: int, seed: int, shuffle: bool = True) -> list[int]:
+    """Record indices of the ``num_prompts`` prompts of ``step`` (>= 1)."""
+    if num_records <= 0:
+        raise ValueError("the prompt dataset is empty")
+    if step < 1:
+        raise ValueError(f"steps count from 1, got {step}")
+    out: list[int] = []
+    perms: dict[int, list[int]] = {}
+    for pos in range((step - 1) * num_prompts, step * num_prompts):
+        epoch, i = divmod(pos, num_records)
+        if not shuffle:
+            out.append(i)
+            continue
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(num_records, seed, epoch)
+        out.append(perms[epoch][i])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading user files
+
+
+def _open_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rb", **(storage_options or {})) as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise ValueError(f"prompt file {path!r} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - s3fs/permission errors come in many types
+        raise ValueError(f"prompt file {path!r} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _rows_from_table(table: Any) -> list[dict[str, Any]]:
+    return table.to_pylist()
+
+
+def _read_rows(path: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = _open_bytes(path, storage_options)
+    lower = path.lower()
+    if lower.endswith((".jsonl", ".json", ".ndjson")):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"prompt file {path!r} is not UTF-8 (byte {exc.start})") from None
+        rows = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"prompt file {path!r} line {n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"prompt file {path!r} line {n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+        return rows
+    try:
+        if lower.endswith(".parquet"):
+            return _rows_from_table(pq.read_table(io.BytesIO(raw)))
+        if lower.endswith((".arrow", ".feather", ".ipc")):
+            try:
+                return _rows_from_table(pa.ipc.open_file(pa.py_buffer(raw)).read_all())
+            except pa.ArrowInvalid:
+                return _rows_from_table(pa.ipc.open_stream(pa.py_buffer(raw)).read_all())
+    except pa.ArrowException as exc:
+        raise ValueError(f"prompt file {path!r} cannot be parsed: {exc}") from None
+    raise ValueError(f"prompt file {path!r}: unsupported extension (use .jsonl, .parquet or .arrow)")
+
+
+def load_prompt_file(
+    path: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    storage_options: dict[str, Any] | None = None,
+) -> list[dict[str, str]]:
+    """Read a prompt file into ``[{"prompt", "answer"}]`` (answers may be missing: ``""``)."""
+    rows = _read_rows(path, storage_options)
+    if not rows:
+        raise ValueError(f"prompt file {path!r} holds no rows")
+    out = []
+    for i, row in enumerate(rows):
+        if prompt_key not in row:
+            raise ValueError(f"prompt file {path!r} row {i}: missing field {prompt_key!r} (data.prompt_key)")
+        prompt = row[prompt_key]
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt file {path!r} row {i}: field {prompt_key!r} is {type(prompt).__name__}, not str")
+        if not prompt.strip():
+            raise ValueError(f"prompt file {path!r} row {i}: empty prompt")
+        answer = row.get(answer_key)
+        out.append({"prompt": prompt, "answer": "" if answer is None else str(answer)})
+    return out
+
+
+def load_prompt_records(data_cfg: Any, split: str, seed: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """Records of ``split`` (``"train"`` or ``"val"``) for a ``DataConfig``."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if data_cfg.dataset == "arithmetic":
+        from nrl_tasks.environments.arithmetic import make_arithmetic_prompts
+
+        a = data_cfg.arithmetic
+        num = a.num_train if split == "train" else a.num_val
+        # train and val use different seeds (val: a held-out draw of the same distribution)
+        return make_arithmetic_prompts(
+            num, seed=derive_seed(seed, "arithmetic", split) % (2**31), max_operand=a.max_operand, ops=tuple(a.ops)
+        )
+    path = data_cfg.train_path if split == "train" else data_cfg.val_path
+    if not path:
+        raise ValueError(f"data.{split}_path is not set")
+    return load_prompt_file(
+        path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting and tokenising
+
+
+def format_prompt(prompt: str, data_cfg: Any, tokenizer: Any = None) -> str:
+    """Apply ``data.prompt_template`` and, when ``data.chat_template``, the tokenizer's chat template."""
+    text = data_cfg.prompt_template.replace("{prompt}", prompt)
+    if data_cfg.chat_template:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("data.chat_template is true but the tokenizer has no chat template")
+        messages = []
+        if data_cfg.system_prompt:
+            messages.append({"role": "system", "content": data_cfg.system_prompt})
+        messages.append({"role": "user", "content": text})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    elif data_cfg.system_prompt:
+        text = f"{data_cfg.system_prompt}\n{text}"
+    return text
+
+
+def tokenize_prompts(
+    texts: Sequence[str],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    overlong: str = "reject",
+    pad_token_id: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[B, S]`` (int64, right-padded) and lengths ``[B]`` of ``texts``.
+
+    A prompt longer than ``max_length`` tokens raises ``ValueError`` (``overlong="reject"``) or
+    keeps its last ``max_length`` tokens (``"truncate"``). Empty prompts are rejected.
+    """
+    pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    rows: list[list[int]] = []
+    for i, text in enumerate(texts):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt {i} tokenizes to nothing: {text!r}")
+        if len(ids) > max_length:
+            if overlong == "reject":
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens > {max_length} (data.max_input_seq_length); "
+                    f"set data.overlong_prompts=truncate to keep its last tokens: {text[:80]!r}"
+                )
+            ids = ids[-max_length:]
+        rows.append(ids)
+    width = max(len(r) for r in rows) if rows else 0
+    input_ids = torch.full((len(rows), width), int(pad), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return input_ids, lengths
+
+
+def records_columns(records: Iterable[dict[str, str]]) -> dict[str, list[str]]:
+    """``{"prompt": [...], "answer": [...]}`` from records."""
+    records = list(records)
+    return {"prompt": [r["prompt"] for r in records], "answer": [r["answer"] for r in records]}

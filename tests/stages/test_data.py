@@ -1,0 +1,120 @@
+"""Prompt datasets: files (JSONL/Parquet/Arrow), bad input, deterministic per-step draws, tokenising."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nrl_tasks.stages.data import (
+    derive_seed,
+    epoch_permutation,
+    format_prompt,
+    load_prompt_file,
+    load_prompt_records,
+    step_record_indices,
+    tokenize_prompts,
+)
+
+
+def _data_cfg(**kw):
+    base = dict(
+        dataset="arithmetic", train_path=None, val_path=None, prompt_key="q", answer_key="a",
+        prompt_template="{prompt}", chat_template=False, system_prompt=None, overlong_prompts="reject", shuffle=True,
+        arithmetic=types.SimpleNamespace(num_train=20, num_val=5, max_operand=9, ops=["+"]),
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+ROWS = [{"q": "What is 1+1?", "a": 2}, {"q": "What is 2+3?", "a": "5"}, {"q": "Name?", "a": None}]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "arrow"])
+def test_load_prompt_file_formats(tmp_path, fmt):
+    path = tmp_path / f"p.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    else:
+        table = pa.table({"q": [r["q"] for r in ROWS], "a": [None if r["a"] is None else str(r["a"]) for r in ROWS]})
+        if fmt == "parquet":
+            pq.write_table(table, path)
+        else:
+            with pa.ipc.new_file(str(path), table.schema) as w:
+                w.write_table(table)
+    recs = load_prompt_file(str(path), prompt_key="q", answer_key="a")
+    assert recs == [
+        {"prompt": "What is 1+1?", "answer": "2"},
+        {"prompt": "What is 2+3?", "answer": "5"},
+        {"prompt": "Name?", "answer": ""},
+    ]
+
+
+def test_bad_prompt_files(tmp_path):
+    missing = tmp_path / "m.jsonl"
+    missing.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 0: missing field 'q'"):
+        load_prompt_file(str(missing), prompt_key="q")
+    empty = tmp_path / "e.jsonl"
+    empty.write_text(json.dumps({"q": "  "}) + "\n")
+    with pytest.raises(ValueError, match="empty prompt"):
+        load_prompt_file(str(empty), prompt_key="q")
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b'{"q": "\xff\xfe"}\n')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_prompt_file(str(binary), prompt_key="q")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompt_file(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ValueError, match="unsupported extension"):
+        (tmp_path / "x.csv").write_text("q\n1\n")
+        load_prompt_file(str(tmp_path / "x.csv"))
+    bad_json = tmp_path / "j.jsonl"
+    bad_json.write_text('{"q": 1\n')
+    with pytest.raises(ValueError, match="line 1: invalid JSON"):
+        load_prompt_file(str(bad_json), prompt_key="q")
+
+
+def test_step_draw_is_deterministic_and_covers_each_epoch():
+    n, p = 7, 3
+    draws = [step_record_indices(num_records=n, step=s, num_prompts=p, seed=5) for s in range(1, 8)]
+    assert draws == [step_record_indices(num_records=n, step=s, num_prompts=p, seed=5) for s in range(1, 8)]
+    stream = [i for d in draws for i in d]
+    for e in range(3):  # every epoch is a permutation of the records
+        assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))
+    assert stream[:n] == epoch_permutation(n, 5, 0)
+    assert draws != [step_record_indices(num_records=n, step=s, num_prompts=p, seed=6) for s in range(1, 8)]
+    with pytest.raises(ValueError, match="count from 1"):
+        step_record_indices(num_records=n, step=0, num_prompts=p, seed=5)
+
+
+def test_derive_seed_distinguishes_parts():
+    seeds = {derive_seed(1, s, st, i) for s in (1, 2) for st in ("generate", "eval") for i in range(4)}
+    assert len(seeds) == 16 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_arithmetic_records_train_val_differ():
+    cfg = _data_cfg()
+    train = load_prompt_records(cfg, "train", seed=0)
+    val = load_prompt_records(cfg, "val", seed=0)
+    assert len(train) == 20 and len(val) == 5
+    assert train == load_prompt_records(cfg, "train", seed=0)
+    assert train[:5] != val
+
+
+def test_format_and_tokenize(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = _data_cfg(prompt_template="Q: {prompt}", chat_template=True, system_prompt="Be brief.")
+    text = format_prompt("What is 1+1?", cfg, tok)
+    assert "Q: What is 1+1?" in text and "Be brief." in text and text.endswith("assistant\n")
+    ids, lengths = tokenize_prompts(["What is 1+1? Answer:", "Hi"], tok, max_length=64)
+    assert ids.shape[0] == 2 and lengths.tolist()[1] < lengths.tolist()[0]
+    assert int(ids[1, lengths[1]:].ne(tok.pad_token_id).sum()) == 0  # right-padded
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens > 3"):
+        tokenize_prompts(["What is 1+1? Answer:"], tok, max_length=3)
+    cut, n = tokenize_prompts(["What is 1+1? Answer:"], tok, max_length=3, overlong="truncate")
+    assert n.tolist() == [3] and cut[0].tolist() == ids[0, lengths[0] - 3 : lengths[0]].tolist()
