@@ -36,15 +36,23 @@ def make_arithmetic_prompts(
     *,
     max_operand: int = 9,
     ops: Sequence[str] = ("+",),
+    few_shot: int = 0,
 ) -> list[dict[str, str]]:
     """``num`` problems ``{"prompt": "What is a<op>b? Answer:", "answer": "<int>"}``.
 
     Operands are drawn uniformly from ``0..max_operand`` by ``random.Random(seed)`` (same seed,
-    same list, on every platform); the operator cycles through ``ops`` at random. For ``"-"``
-    the operands are ordered so the answer is never negative.
+    same list, on every platform); the operator is drawn from ``ops``. For ``"-"`` the operands
+    are ordered so the answer is never negative. ``few_shot=k`` prefixes every prompt with k
+    solved problems, one per line (``"What is 2+3? Answer: 5\\n"``), drawn from a separate
+    generator so the problems themselves do not change; a pretrained model (SmolLM2-135M-
+    Instruct) then answers in the required format about half of the time, without it rarely.
 
     >>> make_arithmetic_prompts(2, seed=0)
     [{'prompt': 'What is 6+6? Answer:', 'answer': '12'}, {'prompt': 'What is 0+4? Answer:', 'answer': '4'}]
+    >>> print(make_arithmetic_prompts(1, seed=0, few_shot=2)[0]["prompt"])
+    What is 9+7? Answer: 16
+    What is 8+0? Answer: 8
+    What is 6+6? Answer:
     """
     if num < 0:
         raise ValueError(f"num must be >= 0, got {num}")
@@ -55,14 +63,22 @@ def make_arithmetic_prompts(
     unknown = [op for op in ops if op not in _OPS]
     if unknown:
         raise ValueError(f"unsupported ops {unknown}; choose from {sorted(_OPS)}")
-    rng = random.Random(seed)
-    problems = []
-    for _ in range(num):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = ops[0] if len(ops) == 1 else rng.choice(list(ops))
+    if few_shot < 0:
+        raise ValueError(f"few_shot must be >= 0, got {few_shot}")
+    rng, shot_rng = random.Random(seed), random.Random(f"few-shot-{seed}")
+
+    def draw(r: random.Random) -> tuple[str, str]:
+        a, b = r.randint(0, max_operand), r.randint(0, max_operand)
+        op = ops[0] if len(ops) == 1 else r.choice(list(ops))
         if op == "-" and a < b:
             a, b = b, a
-        problems.append({"prompt": PROMPT_TEMPLATE.format(a=a, op=op, b=b), "answer": str(_OPS[op](a, b))})
+        return PROMPT_TEMPLATE.format(a=a, op=op, b=b), str(_OPS[op](a, b))
+
+    problems = []
+    for _ in range(num):
+        prompt, answer = draw(rng)
+        shots = "".join(f"{q} {ans}\n" for q, ans in (draw(shot_rng) for _ in range(few_shot)))
+        problems.append({"prompt": shots + prompt, "answer": answer})
     return problems
 
 

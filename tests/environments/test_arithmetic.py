@@ -44,3 +44,17 @@ def test_exact_match_reward_parses_the_first_integer():
 def test_exact_match_reward_length_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="differ in length"):
         exact_match_reward(["p", "q"], ["1"], ["1", "2"])
+
+
+def test_few_shot_prefix_keeps_the_problems_and_solves_its_examples():
+    plain = make_arithmetic_prompts(20, seed=5, ops=("+", "*"))
+    shot = make_arithmetic_prompts(20, seed=5, ops=("+", "*"), few_shot=3)
+    assert shot == make_arithmetic_prompts(20, seed=5, ops=("+", "*"), few_shot=3)
+    for p, s in zip(plain, shot, strict=True):
+        lines = s["prompt"].split("\n")
+        assert len(lines) == 4 and lines[-1] == p["prompt"] and s["answer"] == p["answer"]
+        for line in lines[:-1]:
+            m = re.fullmatch(r"What is (\d+)([+*])(\d+)\? Answer: (\d+)", line)
+            assert m and int(m[4]) == (int(m[1]) + int(m[3]) if m[2] == "+" else int(m[1]) * int(m[3]))
+    with pytest.raises(ValueError, match="few_shot"):
+        make_arithmetic_prompts(1, seed=0, few_shot=-1)
