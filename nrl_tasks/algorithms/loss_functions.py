@@ -72,7 +72,7 @@ class LossFunction(Protocol):
 class ClippedPGLossConfig(BaseModel):
     """NeMo-RL's ``loss_fn`` section for GRPO/PPO (same keys and defaults)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     reference_policy_kl_penalty: float = Field(0.01, ge=0.0, description="beta; 0 disables the KL term")
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
