@@ -164,7 +164,11 @@ def load_prompt_records(data_cfg: Any, split: str, seed: int, storage_options: d
         num = a.num_train if split == "train" else a.num_val
         # train and val use different seeds (val: a held-out draw of the same distribution)
         return make_arithmetic_prompts(
-            num, seed=derive_seed(seed, "arithmetic", split) % (2**31), max_operand=a.max_operand, ops=tuple(a.ops)
+            num,
+            seed=derive_seed(seed, "arithmetic", split) % (2**31),
+            max_operand=a.max_operand,
+            ops=tuple(a.ops),
+            few_shot=getattr(a, "few_shot", 0),
         )
     path = data_cfg.train_path if split == "train" else data_cfg.val_path
     if not path:

@@ -1,0 +1,100 @@
+"""Config: YAML + dotted overrides, one clear error for unknown keys / wrong types / impossible combinations, hash."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flows.config import ConfigError, config_hash, config_to_yaml, load_config, redact, saved_config_hash
+from flows.overrides import apply_overrides, parse_value
+
+TINY = "configs/grpo_tiny.yaml"
+
+
+def test_tiny_config_loads_with_nemo_rl_keys():
+    cfg = load_config(TINY)
+    assert cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt == cfg.rollout_batch_size == 16
+    assert cfg.policy.model_name == "builtin:tiny"
+    assert cfg.loss_fn.reference_policy_kl_penalty == 0.01
+    assert cfg.checkpointing.save_period == 2
+
+
+def test_overrides_apply_and_parse_types():
+    cfg = load_config(TINY, ["grpo.max_num_steps=7", "policy.optimizer.kwargs.lr=5e-6", "logger.console=false"])
+    assert cfg.grpo.max_num_steps == 7 and cfg.policy.optimizer.kwargs.lr == 5e-6 and cfg.logger.console is False
+    assert parse_value("[1, 2]") == [1, 2] and parse_value("abc") == "abc" and parse_value("-3") == -3
+    with pytest.raises(ValueError, match="not of the form key=value"):
+        apply_overrides({}, ["grpo.max_num_steps"])
+    with pytest.raises(ValueError, match="grpo.max_num_steps is a int, not a section"):
+        apply_overrides({"grpo": {"max_num_steps": 3}}, ["grpo.max_num_steps.x=1"])
+
+
+def test_unknown_keys_and_wrong_types_reported_together():
+    with pytest.raises(ConfigError) as ei:
+        load_config(TINY, ["grpo.num_prompts_per_stepp=3", "policy.train_global_batch_size=abc", "foo=1"])
+    msg = str(ei.value)
+    assert "grpo.num_prompts_per_stepp: unknown key" in msg
+    assert "policy.train_global_batch_size" in msg and "'abc'" in msg
+    assert "foo: unknown key" in msg
+    assert msg.count("\n  - ") == 3  # one error listing all three problems
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["policy.train_global_batch_size=12", "policy.train_micro_batch_size=4"], "16 is not a multiple of policy.train_global_batch_size = 12"),
+        (["policy.train_micro_batch_size=3"], "not a multiple of policy.train_micro_batch_size"),
+        (["generation.max_new_tokens=64"], "leaves no room for the prompt"),
+        (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
+        (["env.reward_fn=notapath"], "package.module:function"),
+        (["data.dataset=file"], "data.train_path is required"),
+        (["generation.backend=vllm"], "needs cluster.gpus_per_node >= 1"),
+    ],
+)
+def test_impossible_combinations(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        load_config(TINY, overrides)
+
+
+def test_missing_or_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot be read as YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping at top level"):
+        load_config(lst)
+
+
+def test_hash_covers_results_not_placement():
+    base = load_config(TINY)
+    h = config_hash(base)
+    assert config_hash(load_config(TINY, ["storage.root=/elsewhere", "logger.console=false", "grpo.max_num_steps=50"])) == h
+    assert config_hash(load_config(TINY, ["cluster.ray.address=10.0.0.1:6379", "checkpointing.save_period=5"])) == h
+    assert config_hash(load_config(TINY, ["policy.optimizer.kwargs.lr=1e-5"])) != h
+    assert config_hash(load_config(TINY, ["grpo.seed=1"])) != h
+    assert config_hash(load_config(TINY, ["generation.temperature=0.7"])) != h
+
+
+def test_saved_yaml_roundtrip_and_redaction():
+    cfg = load_config(TINY, ["storage.storage_options.key=AKIA_SECRET", "storage.storage_options.client_kwargs.endpoint_url=http://x"])
+    text = config_to_yaml(cfg)
+    assert "AKIA_SECRET" not in text and "http://x" in text
+    assert saved_config_hash(text) == config_hash(cfg)
+    data = yaml.safe_load(text)
+    data["storage"] = {"root": "./runs"}
+    assert config_hash(load_config(data)) == config_hash(cfg)
+    assert redact([{"token": "t"}]) == [{"token": "***"}]
+
+
+def test_policy_config_fills_generation_and_resolves_builtin(tmp_path, monkeypatch):
+    monkeypatch.setenv("NRL_MODEL_CACHE", str(tmp_path))
+    cfg = load_config(TINY, ["generation.temperature=0.5"])
+    pc = cfg.policy_config()
+    assert pc.generation is not None and pc.generation.temperature == 0.5 and pc.temperature == 0.5
+    assert pc.model_name == str(tmp_path / "tiny-seed0") and (tmp_path / "tiny-seed0" / "config.json").is_file()
+    assert cfg.generation_config().model_name == pc.model_name
+    assert cfg.max_prompt_tokens() == 64 - 8
