@@ -393,14 +393,17 @@ def _launch(group: Any, tensor: torch.Tensor, src: int) -> BroadcastHandle:
 class BufferPool:
     """Process-wide cache of CPU byte buffers, so repeated refits reuse warm (faulted-in) memory.
 
-    Keeps at most ``max_cached`` buffers; ``NRL_REFIT_CACHE_BUFFERS=0`` disables caching. CUDA
-    buffers are never cached (torch's caching allocator already reuses them).
+    Keeps at most ``max_cached_bytes`` bytes (largest dropped first) in at most ``max_cached``
+    buffers (smallest dropped first);
+    ``NRL_REFIT_CACHE_BUFFERS=0`` disables caching. CUDA buffers are never cached (torch's
+    caching allocator already reuses them).
     """
 
-    def __init__(self, max_cached: int = 4) -> None:
+    def __init__(self, max_cached: int = 4, max_cached_bytes: int = 512 * 1024 * 1024) -> None:
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         self.max_cached = max_cached
+        self.max_cached_bytes = max_cached_bytes
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 buffer of at least ``nbytes`` on ``device`` (cached one if it fits)."""
@@ -418,7 +421,9 @@ class BufferPool:
         with self._lock:
             self._free.append(buf)
             self._free.sort(key=lambda b: b.numel(), reverse=True)
-            del self._free[self.max_cached :]
+            while self._free and sum(b.numel() for b in self._free) > self.max_cached_bytes:
+                self._free.pop(0)  # over the byte cap: drop the largest
+            del self._free[self.max_cached :]  # over the count: drop the smallest
 
     def clear(self) -> int:
         """Drop every cached buffer; returns the bytes released."""

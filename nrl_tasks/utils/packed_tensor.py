@@ -333,15 +333,9 @@ def _consume(
                 continue
             planned.extend(planner.add(_parse_meta(item)))
         chunk = planned.popleft()
-        with pipe.stream_context():
-            if chunk.solo:
-                piece = chunk.pieces[0]
-                dest = torch.empty(piece.shape, dtype=piece.dtype, device=device)
-                chunk.keep = [dest]
-                data, buf = dest.view(-1).view(torch.uint8), None
-            else:
-                buf = pipe.acquire(chunk.nbytes, exact=chunk.final)
-                data = buf[: chunk.nbytes]
+        with pipe.stream_context():  # oversized tensors too land in a reused buffer: no fresh pages
+            buf = pipe.acquire(chunk.nbytes, exact=chunk.final)
+            data = buf[: chunk.nbytes]
         pipe.launch(data, buf, chunk)
         return True
 
@@ -351,12 +345,8 @@ def _consume(
             pass
         while pipe.pending():
             buf, chunk = pipe.next_done()
-            if chunk.solo:
-                batch = [(chunk.pieces[0].name, chunk.keep[0])]
-            else:
-                assert buf is not None
-                batch = _unpack(chunk, buf[: chunk.nbytes])
-            chunk.keep = []
+            assert buf is not None
+            batch = _unpack(chunk, buf[: chunk.nbytes])
             yield batch
             del batch
             pipe.release(buf)
