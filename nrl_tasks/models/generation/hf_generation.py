@@ -165,6 +165,11 @@ class RayGenerationGroup(GenerationInterface):
     def worker_group(self) -> Any:
         return self._wg
 
+    @property
+    def refit_world_size(self) -> int:
+        """Ranks this group adds to a refit broadcast group (one per worker process that loads weights)."""
+        return self.world_size
+
     # ---------------------------------------------------------------- generate
     def generate(self, data: Any, greedy: bool = False, *, weights_version: int | None = None) -> Any:
         """Shard ``data`` contiguously over the workers, generate, concatenate in order.

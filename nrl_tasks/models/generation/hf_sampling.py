@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["generate_batch", "filter_top_k_top_p", "resolve_pad_and_stop_ids"]
+__all__ = ["build_generation_output", "filter_top_k_top_p", "generate_batch", "resolve_pad_and_stop_ids"]
 
 _TAIL_EXTRA_TOKENS = 4
 
@@ -340,23 +340,54 @@ def generate_batch(
     finally:
         model.train(was_training)
 
-    gen_lengths = torch.cat([p[2] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
-    stopped = torch.cat([p[3] for p in pieces]) if pieces else torch.zeros(0, dtype=torch.bool)
-    longest = int(gen_lengths.max()) if batch else 0
-    out_ids = torch.full((batch, width + longest), pad_id, dtype=torch.long)
-    out_lp = torch.zeros((batch, width + longest), dtype=torch.float32)
-    row = 0
-    for gen, gen_lp, gen_len, _ in pieces:
+    gen_ids: list[torch.Tensor] = []
+    gen_lps: list[torch.Tensor] = []
+    stopped: list[bool] = []
+    for gen, gen_lp, gen_len, stop in pieces:
         for j in range(gen.shape[0]):
-            n, g = int(lengths[row]), int(gen_len[j])
-            out_ids[row, :n] = ids_cpu[row, :n]
-            out_ids[row, n : n + g] = gen[j, :g]
-            out_lp[row, n : n + g] = gen_lp[j, :g]
-            row += 1
+            g = int(gen_len[j])
+            gen_ids.append(gen[j, :g])
+            gen_lps.append(gen_lp[j, :g])
+            stopped.append(bool(stop[j]))
+    return build_generation_output(ids_cpu, lengths, gen_ids, gen_lps, [not s for s in stopped], pad_id)
+
+
+def build_generation_output(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    generated: Sequence[Sequence[int] | torch.Tensor],
+    generated_logprobs: Sequence[Sequence[float] | torch.Tensor],
+    truncated: Sequence[bool],
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """Lay out per-row generations in NeMo-RL's output format (see ``interfaces``).
+
+    ``output_ids [B, S + T]``: row ``i`` holds its ``input_lengths[i]`` prompt tokens, then its
+    generated ids, then ``pad_token_id``; ``T`` is the longest generation. ``logprobs`` (float32)
+    holds each generated token's logprob at its position, 0 elsewhere.
+    """
+    batch, width = input_ids.shape
+    if not len(generated) == len(generated_logprobs) == len(truncated) == batch:
+        raise ValueError(
+            f"build_generation_output: {len(generated)} generations, {len(generated_logprobs)} logprob rows, "
+            f"{len(truncated)} truncated flags for a batch of {batch}"
+        )
+    lengths = input_lengths.to(torch.long).cpu()
+    gen_lengths = torch.tensor([len(g) for g in generated], dtype=torch.long)
+    longest = int(gen_lengths.max()) if batch else 0
+    out_ids = torch.full((batch, width + longest), int(pad_token_id), dtype=torch.long)
+    out_lp = torch.zeros((batch, width + longest), dtype=torch.float32)
+    for i in range(batch):
+        n, g = int(lengths[i]), int(gen_lengths[i])
+        if len(generated_logprobs[i]) != g:
+            raise ValueError(f"build_generation_output: row {i} has {g} tokens but {len(generated_logprobs[i])} logprobs")
+        out_ids[i, :n] = input_ids[i, :n]
+        out_ids[i, n : n + g] = torch.as_tensor(generated[i], dtype=torch.long)
+        out_lp[i, n : n + g] = torch.as_tensor(generated_logprobs[i], dtype=torch.float32)
     return {
         "output_ids": out_ids,
         "logprobs": out_lp,
         "generation_lengths": gen_lengths,
         "unpadded_sequence_lengths": lengths + gen_lengths,
-        "truncated": ~stopped,
+        "truncated": torch.tensor(list(truncated), dtype=torch.bool),
     }

@@ -56,6 +56,7 @@ class GenerationWorkerBase:
         self._stale = False
         self._refit_info: Any = None
         self._group: Any = None
+        self._group_open = False
         self._last_refit: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- version / state
@@ -92,8 +93,8 @@ class GenerationWorkerBase:
         """``[(name, shape, dtype)]`` this worker expects, in the producer's order."""
         raise NotImplementedError
 
-    def _consume_weights(self, group: Any, info: Any) -> dict[str, Any]:
-        """Receive one packed broadcast described by ``info`` and load it; returns stats."""
+    def _consume_weights(self, info: Any) -> dict[str, Any]:
+        """Receive one packed broadcast described by ``info`` (src rank 0) and load it; returns stats."""
         raise NotImplementedError
 
     def prepare_refit_info(self, info_dict: dict[str, Any]) -> None:
@@ -112,24 +113,33 @@ class GenerationWorkerBase:
         self, ip: str, port: int, world_size: int, rank: int, timeout_s: float | None = None
     ) -> None:
         """Join the stateless broadcast group as ``rank`` (blocks until every rank joined)."""
-        from nrl_tasks.utils.collective import create_broadcast_group
-
         self.teardown_collective()
-        self._group = create_broadcast_group(
-            ip, int(port), int(rank), int(world_size),
-            timeout_s=float(timeout_s or self.cfg.refit_timeout_s), backend=self._collective_backend(),
-        )
-
-    def _collective_backend(self) -> str:
-        return "gloo"
+        self._open_group(str(ip), int(port), int(world_size), int(rank), float(timeout_s or self.cfg.refit_timeout_s))
+        self._group_open = True
 
     def teardown_collective(self) -> None:
         """Close the broadcast group (idempotent); call before re-creating it on a retry."""
-        if self._group is not None:
+        if self._group_open:
             try:
-                self._group.close()
+                self._close_group()
             finally:
-                self._group = None
+                self._group_open = False
+
+    # backend hooks: where the group lives and how weights are loaded
+    def _open_group(self, ip: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
+        from nrl_tasks.utils.collective import create_broadcast_group
+
+        self._group = create_broadcast_group(
+            ip, port, rank, world_size, timeout_s=timeout_s, backend=self._collective_backend()
+        )
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+    def _collective_backend(self) -> str:
+        return "gloo"
 
     def update_weights_from_collective(self, weights_version: int) -> dict[str, Any]:
         """Consume the packed broadcast from rank 0 into the model, then adopt ``weights_version``.
@@ -139,12 +149,12 @@ class GenerationWorkerBase:
         """
         if self._refit_info is None:
             raise RuntimeError("update_weights_from_collective: call prepare_refit_info first")
-        if self._group is None:
+        if not self._group_open:
             raise RuntimeError("update_weights_from_collective: call init_collective first")
         self._stale = True
         start = time.perf_counter()
         try:
-            stats = self._consume_weights(self._group, self._refit_info)
+            stats = self._consume_weights(self._refit_info)
         except BaseException:
             self.teardown_collective()
             raise
@@ -247,7 +257,7 @@ class HfGenerationWorker(GenerationWorkerBase):
         return refit_metadata(self._refit_named_tensors())
 
     @torch.no_grad()
-    def _consume_weights(self, group: Any, info: Any) -> dict[str, Any]:
+    def _consume_weights(self, info: Any) -> dict[str, Any]:
         from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
 
         params = dict(self._refit_named_tensors())
@@ -260,7 +270,7 @@ class HfGenerationWorker(GenerationWorkerBase):
                 received += 1
 
         packed_broadcast_consumer(
-            info.consumer_iter(), group, 0, load, buffer_size_bytes=info.buffer_size_bytes
+            info.consumer_iter(), self._group, 0, load, buffer_size_bytes=info.buffer_size_bytes
         )
         if received != len(info.metadata):
             raise RuntimeError(f"refit received {received} tensors, expected {len(info.metadata)}")
