@@ -16,6 +16,7 @@ per-rank constructor arguments.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -30,6 +31,19 @@ def _ray():
     import ray
 
     return ray
+
+
+_ENV_KWARG = "_nrl_worker_env"
+
+
+def _with_env(cls: type) -> type:
+    """Subclass of ``cls`` whose constructor first applies environment variables."""
+
+    def __init__(self, *args, **kwargs):
+        os.environ.update(kwargs.pop(_ENV_KWARG, None) or {})
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__})
 
 
 def _world_size_of(handle) -> int | None:
@@ -125,7 +139,10 @@ class RayWorkerGroup:
         self.name_prefix = name_prefix
         self.namespace = namespace or ray.get_runtime_context().namespace
         self.detached = bool(detached)
-        remote_cls = actor_cls if hasattr(actor_cls, "options") and hasattr(actor_cls, "remote") else ray.remote(actor_cls)
+        is_ray_cls = hasattr(actor_cls, "options") and hasattr(actor_cls, "remote")
+        # a plain class gets its environment in the constructor: a per-actor runtime_env would
+        # cost seconds per actor (Ray cannot reuse a worker process for it)
+        remote_cls = actor_cls if is_ray_cls else ray.remote(_with_env(actor_cls))
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.preexisting: list[bool] = []
@@ -147,7 +164,6 @@ class RayWorkerGroup:
                 max_concurrency=1,
                 num_cpus=cpus,
                 num_gpus=gpus,
-                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pgs[pg_idx],
                     placement_group_bundle_index=b_idx,
@@ -156,7 +172,12 @@ class RayWorkerGroup:
             )
             if self.detached:
                 options["lifetime"] = "detached"
-            workers.append(remote_cls.options(**options).remote(**per_worker_kwargs[rank]))
+            kwargs = dict(per_worker_kwargs[rank])
+            if is_ray_cls:
+                options["runtime_env"] = {"env_vars": env}
+            else:
+                kwargs[_ENV_KWARG] = env
+            workers.append(remote_cls.options(**options).remote(**kwargs))
         self._workers = workers
 
     # ------------------------------------------------------------------ names

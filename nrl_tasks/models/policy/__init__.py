@@ -1,0 +1,255 @@
+"""Policy configuration (NeMo-RL key names) for :class:`~nrl_tasks.models.policy.lm_policy.Policy`.
+
+Units: batch sizes in sequences, ``*_mb_tokens`` in (padded) tokens, learning rates per
+optimizer step. Only the keys below are accepted (``extra="forbid"``), so a typo is an error
+naming the key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from nrl_tasks.models.generation.interfaces import GenerationConfig
+
+__all__ = [
+    "DTensorConfig",
+    "DynamicBatchingConfig",
+    "OptimizerConfig",
+    "OptimizerKwargs",
+    "PolicyConfig",
+    "RewardModelConfig",
+    "SchedulerConfig",
+    "SequencePackingConfig",
+    "TokenizerConfig",
+]
+
+_ADAMW_NAMES = ("torch.optim.AdamW", "AdamW", "adamw")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizerConfig(_Strict):
+    """``name``: local tokenizer folder (``None``: the model folder)."""
+
+    name: str | None = None
+    chat_template: str | None = None
+
+
+class OptimizerKwargs(_Strict):
+    lr: float = Field(5e-6, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    foreach: bool | None = None
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas must lie in [0, 1), got {v}")
+        return v
+
+
+class OptimizerConfig(_Strict):
+    """AdamW only (``name`` as NeMo-RL spells it: ``torch.optim.AdamW``)."""
+
+    name: str = "torch.optim.AdamW"
+    kwargs: OptimizerKwargs = Field(default_factory=OptimizerKwargs)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v not in _ADAMW_NAMES:
+            raise ValueError(f"optimizer.name must be one of {_ADAMW_NAMES}, got {v!r}")
+        return v
+
+
+class SchedulerConfig(_Strict):
+    """Learning-rate schedule, stepped once per optimizer step.
+
+    ``warmup_steps`` of linear warm-up (``lr * (step + 1) / warmup_steps``), then ``constant``,
+    ``cosine`` (to ``min_lr_ratio * lr`` at ``total_steps``) or ``linear`` decay (same end).
+    """
+
+    name: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, ge=1)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerConfig":
+        if self.name != "constant":
+            if self.total_steps is None:
+                raise ValueError(f"scheduler.total_steps is required for scheduler.name={self.name!r}")
+            if self.total_steps <= self.warmup_steps:
+                raise ValueError(
+                    f"scheduler.total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})"
+                )
+        return self
+
+    def factor(self, step: int) -> float:
+        """LR multiplier after ``step`` optimizer steps (0-based)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.name == "constant":
+            return 1.0
+        assert self.total_steps is not None
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        if self.name == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+class DTensorConfig(_Strict):
+    """NeMo-RL's ``dtensor_cfg``. Here: plain data parallelism (explicit gradient all-reduce);
+    tensor/context parallelism and CPU offload of parameters are not supported (must stay 1/off)."""
+
+    enabled: bool = True
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    custom_parallel_plan: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "DTensorConfig":
+        if self.tensor_parallel_size != 1 or self.context_parallel_size != 1:
+            raise ValueError(
+                "dtensor_cfg.tensor_parallel_size and context_parallel_size must be 1 (only data "
+                f"parallelism is supported), got {self.tensor_parallel_size} and {self.context_parallel_size}"
+            )
+        if self.sequence_parallel or self.cpu_offload or self.custom_parallel_plan:
+            raise ValueError(
+                "dtensor_cfg.sequence_parallel, cpu_offload and custom_parallel_plan are not supported"
+            )
+        return self
+
+
+class DynamicBatchingConfig(_Strict):
+    """Micro-batches of at most ``*_mb_tokens`` padded tokens, rows sorted by length."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    sequence_length_round: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DynamicBatchingConfig":
+        if self.enabled and (self.train_mb_tokens is None or self.logprob_mb_tokens is None):
+            raise ValueError("dynamic_batching.enabled needs train_mb_tokens and logprob_mb_tokens")
+        return self
+
+
+class SequencePackingConfig(_Strict):
+    """Rows of a bin (at most ``*_mb_tokens`` tokens) run as one packed sequence."""
+
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = "modified_first_fit_decreasing"
+    sequence_length_pad_multiple: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SequencePackingConfig":
+        if self.enabled and (self.train_mb_tokens is None or self.logprob_mb_tokens is None):
+            raise ValueError("sequence_packing.enabled needs train_mb_tokens and logprob_mb_tokens")
+        return self
+
+
+class RewardModelConfig(_Strict):
+    """``enabled``: the model is an ``AutoModelForSequenceClassification`` used by ``score``."""
+
+    enabled: bool = False
+    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+
+
+class PolicyConfig(_Strict):
+    """Configuration of a :class:`~nrl_tasks.models.policy.lm_policy.Policy` (NeMo-RL key names).
+
+    ``model_name`` is a local HF folder (nothing is downloaded). ``generation`` (optional) gives
+    the sampling temperature that ``get_logprobs`` and ``train`` divide logits by, the settings of
+    ``Policy.generate`` and the dtype weights are cast to for a refit. ``num_cpus_per_worker``:
+    logical CPUs each worker actor asks for (``None``: its bundle's share);
+    ``torch_num_threads``: intra-op threads per worker. ``deterministic``: deterministic torch
+    algorithms and seeded RNGs, so resumed training is bit-identical.
+    """
+
+    model_name: str
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    train_global_batch_size: int = Field(32, ge=1)
+    train_micro_batch_size: int = Field(4, ge=1)
+    logprob_batch_size: int | None = Field(None, ge=1)
+    max_total_sequence_length: int = Field(512, ge=2)
+    precision: Literal["float32", "bfloat16"] = "float32"
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    dp_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    generation: GenerationConfig | None = None
+    reward_model_cfg: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    seed: int = 42
+    num_cpus_per_worker: float | None = Field(None, ge=0.0)
+    torch_num_threads: int = Field(1, ge=1)
+    deterministic: bool = True
+    dist_timeout_s: float = Field(600.0, gt=0.0)
+    profiler_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.dynamic_batching.enabled and self.sequence_packing.enabled:
+            raise ValueError("dynamic_batching.enabled and sequence_packing.enabled are mutually exclusive")
+        if self.train_micro_batch_size > self.train_global_batch_size:
+            raise ValueError(
+                f"train_micro_batch_size ({self.train_micro_batch_size}) exceeds train_global_batch_size "
+                f"({self.train_global_batch_size})"
+            )
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer.name or self.model_name
+
+    @property
+    def temperature(self) -> float:
+        """Logits are divided by this in ``get_logprobs`` and ``train`` (1.0 without generation)."""
+        return float(self.generation.temperature) if self.generation is not None else 1.0
+
+    @property
+    def effective_logprob_batch_size(self) -> int:
+        return self.logprob_batch_size or self.train_micro_batch_size
+
+    @property
+    def refit_dtype(self) -> str:
+        """Dtype of floating-point weights in a refit: the generation precision, else ours."""
+        return self.generation.precision if self.generation is not None else self.precision
+
+    def config_hash(self) -> str:
+        """SHA-256 of the canonical JSON form (identifies the config a live policy runs)."""
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def diff(self, other: "PolicyConfig") -> list[str]:
+        """Dotted keys whose values differ between ``self`` and ``other``."""
+        return sorted(_diff(self.model_dump(mode="json"), other.model_dump(mode="json"), ""))
+
+
+def _diff(a: Any, b: Any, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in set(a) | set(b):
+            out += _diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]

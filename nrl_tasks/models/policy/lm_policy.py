@@ -1,0 +1,695 @@
+"""``Policy``: a persistent, Ray-hosted, data-parallel trainer of a Hugging Face causal LM (seed 003).
+
+Each data-parallel rank is a named, detached Ray actor ``f"{name_prefix}-{rank}"``
+(:class:`~nrl_tasks.models.policy.workers.train_worker.PolicyWorker`) in namespace
+``namespace`` (convention ``f"nrl-{run_id}"``). The driver-side ``Policy`` is a thin handle:
+it shards batches, dispatches calls and aggregates results.
+
+Persistence: building a ``Policy`` whose actors already run (same names, same config) attaches
+to them with their current weights, optimizer state and version; ``Policy.attach`` does the same
+from any process connected to the Ray cluster. The actors live until ``shutdown()`` is called
+(by any process) or the Ray cluster stops. ``__del__`` therefore never kills detached actors:
+a flow process that crashes or exits must leave them for the next one. Only non-detached
+groups (``detached=False``) created by this object are shut down by ``__del__``; those die with
+their driver anyway.
+
+Actors found half alive (some dead, or set up with a different world size) are killed and
+re-created: their state is lost and must be restored from a checkpoint (``load_checkpoint``).
+
+Not supported (Megatron/SGLang/CUDA-IPC only in NeMo-RL): ``calibrate_qkv_fp8_scales``,
+``init_collective_mcore_generation``, ``preinit_nvshmem``, ``swap_weights_via_reshard``,
+``nccl_reshard_*``, ``stream_weights_via_http``, ``stream_weights_via_ipc_zmq``,
+``get_full_logits_ipc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataDict
+from nrl_tasks.distributed.worker_groups import RayWorkerGroup
+from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = ["Policy", "PathLike"]
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def _timed(timer: Any, label: str):
+    """``timer.time(label)`` when a NeMo-RL-style timer is given, else a null context."""
+    if timer is not None and hasattr(timer, "time"):
+        return timer.time(label)
+    return contextlib.nullcontext()
+
+
+def _worker_class(worker_extension_cls_fqn: str | None) -> type:
+    if not worker_extension_cls_fqn:
+        return PolicyWorker
+    module_name, _, cls_name = worker_extension_cls_fqn.rpartition(".")
+    if not module_name:
+        raise ValueError(f"worker_extension_cls_fqn must be 'package.module.Class', got {worker_extension_cls_fqn!r}")
+    try:
+        ext = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import worker_extension_cls_fqn {worker_extension_cls_fqn!r}: {exc}") from exc
+    return type(f"PolicyWorkerWith{cls_name}", (ext, PolicyWorker), {})
+
+
+def _bundle_indices(cluster: Any, workers_per_node: int | list[int] | None) -> list[tuple[int, int]]:
+    locations = cluster.bundle_locations()
+    if workers_per_node is None:
+        return locations
+    counts = cluster.bundle_ct_per_node_list
+    if isinstance(workers_per_node, int):
+        wanted = [workers_per_node] * len(counts)
+    else:
+        wanted = list(workers_per_node)
+        if len(wanted) != len(counts):
+            raise ValueError(f"workers_per_node has {len(wanted)} entries for {len(counts)} nodes of the cluster")
+    out = []
+    for node, (want, have) in enumerate(zip(wanted, counts)):
+        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
+            raise ValueError(f"workers_per_node[{node}]={want!r} must be an int in [0, {have}] (bundles on that node)")
+        out += [(node, b) for b in range(want)]
+    if not out:
+        raise ValueError("workers_per_node selects no worker")
+    return out
+
+
+def _worker_env(cfg: PolicyConfig) -> dict[str, str]:
+    threads = str(cfg.torch_num_threads)
+    return {
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
+def _payload_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_payload_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_payload_bytes(v) for v in value.values())
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    return 8
+
+
+class Policy:
+    """Data-parallel HF policy on persistent Ray actors (see the module docstring).
+
+    Args (seed signature, plus keyword-only extensions):
+        cluster: a :class:`~nrl_tasks.distributed.virtual_cluster.RayVirtualCluster`; one
+            worker per bundle (or ``workers_per_node`` per node entry).
+        config: :class:`~nrl_tasks.models.policy.PolicyConfig` or its dict form.
+        tokenizer: the HF tokenizer (shipped to the workers for ``generate`` and checkpoints).
+        init_optimizer / init_reference_model: build AdamW+scheduler / keep the initial weights.
+        weights_path / optimizer_path: a checkpoint (``save_checkpoint`` dirs) applied at setup.
+        processor: multimodal processors are not supported (must be ``None``).
+        worker_extension_cls_fqn: ``"pkg.mod.Class"`` mixed into the worker class; its methods
+            are reachable with ``run_all_workers_*_data``.
+        skip_weight_load: build the model from its config (random init) instead of loading
+            weights (use with ``weights_path`` or ``load_checkpoint``).
+        namespace: Ray namespace of the actors (default: the cluster's).
+        detached: detached actors (persist across driver processes; default True).
+        setup_timeout_s: limit for starting the actors and loading the model.
+    """
+
+    def __init__(
+        self,
+        cluster: Any,
+        config: PolicyConfig | dict[str, Any],
+        tokenizer: Any,
+        name_prefix: str = "lm_policy",
+        workers_per_node: Optional[Union[int, list[int]]] = None,
+        init_optimizer: bool = True,
+        weights_path: Optional[PathLike] = None,
+        optimizer_path: Optional[PathLike] = None,
+        init_reference_model: bool = True,
+        processor: Any = None,
+        worker_extension_cls_fqn: Optional[str] = None,
+        skip_weight_load: bool = False,
+        *,
+        namespace: str | None = None,
+        detached: bool = True,
+        setup_timeout_s: float = 600.0,
+    ) -> None:
+        self._group: RayWorkerGroup | None = None
+        self._created = False
+        cfg = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
+        if processor is not None:
+            raise ValueError("processor: multimodal processors are not supported by this Policy")
+        if not os.path.isdir(cfg.model_name):
+            raise ValueError(f"model_name {cfg.model_name!r} is not a local directory (nothing is downloaded)")
+        for label, path in (("weights_path", weights_path), ("optimizer_path", optimizer_path)):
+            if path is not None and not os.path.isdir(os.fspath(path)):
+                raise ValueError(f"{label} {os.fspath(path)!r} is not a directory")
+        ray = _ray()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.name_prefix = name_prefix
+        self.namespace = namespace or getattr(cluster, "namespace", None) or ray.get_runtime_context().namespace
+        self.cluster = cluster
+        self.detached = detached
+        self.last_sharded_payload: dict[str, Any] | None = None
+        self._weights_version = 0
+
+        worker_cls = _worker_class(worker_extension_cls_fqn)
+        actor_kwargs = dict(
+            config=cfg.model_dump(mode="json"),
+            tokenizer=tokenizer,
+            init_optimizer=init_optimizer,
+            init_reference_model=init_reference_model,
+            weights_path=os.fspath(weights_path) if weights_path is not None else None,
+            optimizer_path=os.fspath(optimizer_path) if optimizer_path is not None else None,
+            skip_weight_load=skip_weight_load,
+        )
+        group_kwargs = dict(
+            name_prefix=name_prefix,
+            namespace=self.namespace,
+            actor_kwargs=actor_kwargs,
+            env_vars=_worker_env(cfg),
+            detached=detached,
+            num_cpus_per_worker=cfg.num_cpus_per_worker,
+            bundle_indices=_bundle_indices(cluster, workers_per_node),
+        )
+        group = RayWorkerGroup(cluster, worker_cls, **group_kwargs)
+        statuses = self._statuses(group, setup_timeout_s)
+        if statuses is not None and all(s["ready"] for s in statuses):
+            self._check_attach(statuses, group.world_size)
+            self._group = group
+            self._weights_version = int(statuses[0]["weights_version"])
+            logger.info("Policy %r: attached to %d running workers", name_prefix, group.world_size)
+            return
+        if statuses is None or any(s["ready"] for s in statuses):
+            logger.warning("Policy %r: workers half alive or unresponsive; re-creating all of them", name_prefix)
+            group.shutdown(force=True)
+            group = RayWorkerGroup(cluster, worker_cls, **group_kwargs)
+        self._group = group
+        self._created = True
+        try:
+            ip, port = ray.get(group.workers[0].get_free_address.remote(), timeout=setup_timeout_s)
+            done = ray.get(group.run_all_workers_single_data("setup", ip, port), timeout=setup_timeout_s)
+        except BaseException:
+            group.shutdown(force=True)
+            self._group = None
+            raise
+        self._weights_version = int(done[0]["weights_version"])
+
+    # ---------------------------------------------------------------------- attach
+    @staticmethod
+    def _statuses(group: RayWorkerGroup, timeout_s: float) -> list[dict[str, Any]] | None:
+        ray = _ray()
+        limit = min(timeout_s, 60.0) if all(group.preexisting) else timeout_s
+        try:
+            return ray.get(group.run_all_workers_single_data("status"), timeout=limit)
+        except Exception as exc:  # noqa: BLE001 - dead or stuck actors are re-created
+            logger.warning("Policy workers did not answer status(): %s", exc)
+            return None
+
+    def _check_attach(self, statuses: list[dict[str, Any]], world_size: int) -> None:
+        running = PolicyConfig.model_validate(statuses[0]["config"])
+        if running.config_hash() != self.cfg.config_hash():
+            raise ValueError(
+                f"Policy {self.name_prefix!r} in namespace {self.namespace!r} already runs with a different "
+                f"config (differing keys: {self.cfg.diff(running)}); shut it down first or attach with its config"
+            )
+        sizes = {s["world_size"] for s in statuses}
+        if sizes != {world_size}:
+            raise ValueError(f"running workers report world sizes {sorted(sizes)}, expected {world_size}")
+
+    @classmethod
+    def attach(
+        cls,
+        config: PolicyConfig | dict[str, Any] | None,
+        tokenizer: Any,
+        *,
+        name_prefix: str = "lm_policy",
+        namespace: str,
+        timeout_s: float = 60.0,
+    ) -> "Policy":
+        """Attach to a running Policy by name (from any process connected to its Ray cluster).
+
+        ``config=None`` adopts the running config; otherwise it must equal it (``ValueError``
+        naming the differing keys). Raises ``LookupError`` if the actors do not exist and
+        ``RuntimeError`` if they exist but are not set up.
+        """
+        ray = _ray()
+        group = RayWorkerGroup.attach(name_prefix, namespace)
+        statuses = ray.get(group.run_all_workers_single_data("status"), timeout=timeout_s)
+        not_ready = [s["rank"] for s in statuses if not s["ready"]]
+        if not_ready:
+            raise RuntimeError(f"Policy {name_prefix!r} in {namespace!r}: ranks {not_ready} are not set up")
+        running = PolicyConfig.model_validate(statuses[0]["config"])
+        self = cls.__new__(cls)
+        self._group = None
+        self._created = False
+        self.cfg = running if config is None else (
+            config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
+        )
+        self.tokenizer = tokenizer
+        self.name_prefix = name_prefix
+        self.namespace = namespace
+        self.cluster = None
+        self.detached = True
+        self.last_sharded_payload = None
+        self._check_attach(statuses, group.world_size)
+        self._group = group
+        self._weights_version = int(statuses[0]["weights_version"])
+        return self
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def worker_group(self) -> RayWorkerGroup:
+        if self._group is None:
+            raise RuntimeError(f"Policy {self.name_prefix!r} has been shut down")
+        return self._group
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel ranks (= workers)."""
+        return self.worker_group.world_size
+
+    @property
+    def weights_version(self) -> int:
+        """Version of the live weights: 0 initially, +1 per non-eval ``train`` call."""
+        return self._weights_version
+
+    def set_weights_version(self, version: int) -> None:
+        """Set the version on every worker (e.g. after restoring a checkpoint)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"weights version must be an int >= 0, got {version!r}")
+        self._get(self.worker_group.run_all_workers_single_data("set_weights_version", version))
+        self._weights_version = version
+
+    def refresh_weights_version(self) -> int:
+        """Re-read the version from rank 0 (another process may have trained)."""
+        self._weights_version = int(self._get(self.worker_group.run_single_worker(0, "get_weights_version")))
+        return self._weights_version
+
+    @staticmethod
+    def _get(refs: Any) -> Any:
+        return _ray().get(refs)
+
+    # ------------------------------------------------------------------ dispatch
+    def run_all_workers_single_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method_name(*args, **kwargs)`` on every worker; returns their results."""
+        return self._get(self.worker_group.run_all_workers_single_data(method_name, *args, **kwargs))
+
+    def run_all_workers_multiple_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Each positional/keyword argument is a list with one entry per worker; returns results."""
+        return self._get(self.worker_group.run_all_workers_multiple_data(method_name, *args, **kwargs))
+
+    # ------------------------------------------------------------------ sharding
+    def _dynamic_cfg(self, tokens: int | None) -> dict[str, Any]:
+        return {
+            "max_tokens_per_microbatch": int(tokens),
+            "sequence_length_round": self.cfg.dynamic_batching.sequence_length_round,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+
+    def _packing_cfg(self, tokens: int | None) -> dict[str, Any]:
+        sp = self.cfg.sequence_packing
+        return {
+            "max_tokens_per_microbatch": int(tokens),
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "algorithm": sp.algorithm,
+            "sequence_length_pad_multiple": sp.sequence_length_pad_multiple,
+        }
+
+    def _shard_for_logprob(
+        self, data: BatchedDataDict[Any]
+    ) -> tuple[list[SlicedDataDict], Optional[list[int]]]:
+        """Shard inputs for logprob-like calls: ``(shards, unsorted_data_indices)``.
+
+        With dynamic batching or packing (``*.logprob_mb_tokens``) rows are reordered and the
+        second element restores the order (``from_batches(results).reorder_data(indices)``);
+        otherwise it is ``None``. Batches that do not divide across the ranks (or, for packing,
+        have fewer rows than ranks) fall back to plain, possibly uneven, shards.
+        """
+        dp = self.data_parallel_size
+        size = data.size
+        if self.cfg.dynamic_batching.enabled and size and size % dp == 0:
+            shards, indices = data.shard_by_batch_size(
+                dp, dynamic_batching_cfg=self._dynamic_cfg(self.cfg.dynamic_batching.logprob_mb_tokens)
+            )
+            return shards, indices
+        if self.cfg.sequence_packing.enabled and size >= dp:
+            shards, indices = data.shard_by_batch_size(
+                dp, sequence_packing_cfg=self._packing_cfg(self.cfg.sequence_packing.logprob_mb_tokens)
+            )
+            return shards, indices
+        if size % dp == 0:
+            return data.shard_by_batch_size(dp), None
+        return data.shard_by_batch_size(dp, allow_uneven_shards=True), None
+
+    def _shard_for_train(self, data: BatchedDataDict[Any], batch_size: int) -> list[SlicedDataDict]:
+        """Shard inputs for ``train``: global batches of ``batch_size`` rows, split across ranks.
+
+        Uses ``train_mb_tokens`` for dynamic batching / packing; the reorder indices are not
+        needed because ``train`` returns scalars.
+        """
+        dp = self.data_parallel_size
+        if self.cfg.dynamic_batching.enabled:
+            shards, _ = data.shard_by_batch_size(
+                dp, batch_size=batch_size,
+                dynamic_batching_cfg=self._dynamic_cfg(self.cfg.dynamic_batching.train_mb_tokens),
+            )
+            return shards
+        if self.cfg.sequence_packing.enabled:
+            shards, _ = data.shard_by_batch_size(
+                dp, batch_size=batch_size,
+                sequence_packing_cfg=self._packing_cfg(self.cfg.sequence_packing.train_mb_tokens),
+            )
+            return shards
+        return data.shard_by_batch_size(dp, batch_size=batch_size)
+
+    def _report_sharded_payload(self, sharded_data: list[SlicedDataDict], boundary: str) -> None:
+        """Measure the bytes each DP shard ships to its worker (stored in ``last_sharded_payload``)."""
+        per_shard = [sum(_payload_bytes(v) for v in shard.values()) for shard in sharded_data]
+        self.last_sharded_payload = {"boundary": boundary, "bytes_per_shard": per_shard, "total_bytes": sum(per_shard)}
+        logger.debug("Policy %s: shard payload bytes %s", boundary, per_shard)
+
+    def _check_data(self, data: BatchedDataDict[Any], what: str) -> None:
+        if not isinstance(data, BatchedDataDict):
+            raise TypeError(f"{what}: data must be a BatchedDataDict, got {type(data).__name__}")
+        for key in ("input_ids", "input_lengths"):
+            if key not in data:
+                raise ValueError(f"{what}: batch is missing key {key!r} (have {sorted(data.keys())})")
+        width = data["input_ids"].shape[1] if data["input_ids"].ndim == 2 else None
+        if width is None:
+            raise ValueError(f"{what}: input_ids must be [B, S], got shape {tuple(data['input_ids'].shape)}")
+        if width > self.cfg.max_total_sequence_length:
+            raise ValueError(
+                f"{what}: input_ids width {width} exceeds max_total_sequence_length "
+                f"{self.cfg.max_total_sequence_length}"
+            )
+
+    def _sharded_call(self, method: str, data: BatchedDataDict[Any], *args: Any, **kwargs: Any) -> BatchedDataDict:
+        shards, unsorted = self._shard_for_logprob(data)
+        self._report_sharded_payload(shards, method)
+        results = self._get(self.worker_group.run_all_workers_sharded_data(method, shards, *args, **kwargs))
+        merged = BatchedDataDict.from_batches(results)
+        if unsorted is not None:
+            merged.reorder_data(unsorted)
+        return merged
+
+    # ------------------------------------------------------------------ inference
+    def get_logprobs(
+        self, data: BatchedDataDict[Any], timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """``{"logprobs": [B, S]}`` float32: position 0 is 0, position i is
+        ``log p(token_i | tokens_<i)`` of ``logits / temperature``, padding 0."""
+        self._check_data(data, "get_logprobs")
+        with _timed(timer, "get_logprobs"):
+            out = self._sharded_call("get_logprobs", data)
+        return BatchedDataDict({"logprobs": out["logprobs"]})
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: Optional[int] = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """``{"reference_logprobs": [B, S]}``: like ``get_logprobs`` with the initial weights."""
+        self._check_data(data, "get_reference_policy_logprobs")
+        with _timed(timer, "get_reference_policy_logprobs"):
+            out = self._sharded_call("get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size)
+        return BatchedDataDict({"reference_logprobs": out["reference_logprobs"]})
+
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: Optional[int] = None, timer: Any = None
+    ) -> BatchedDataDict[Any]:
+        """``topk_logits [B, S, k]`` and ``topk_indices [B, S, k]`` (position t predicts t+1; padding 0)."""
+        self._check_data(data, "get_topk_logits")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        dp = self.data_parallel_size
+        shards = data.shard_by_batch_size(dp, allow_uneven_shards=data.size % dp != 0)
+        self._report_sharded_payload(shards, "get_topk_logits")
+        with _timed(timer, "get_topk_logits"):
+            results = self._get(
+                self.worker_group.run_all_workers_sharded_data("get_topk_logits", shards, k, micro_batch_size)
+            )
+        return BatchedDataDict.from_batches(results)
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """Sample continuations in the policy workers (colocated use), NeMo-RL output layout:
+        ``output_ids``, ``logprobs``, ``generation_lengths``, ``unpadded_sequence_lengths``, ``truncated``."""
+        self._check_data(data, "generate")
+        if self.cfg.generation is None:
+            raise ValueError("Policy.generate needs a 'generation' section in the policy config")
+        dp = self.data_parallel_size
+        shards = data.shard_by_batch_size(dp, allow_uneven_shards=data.size % dp != 0)
+        self._report_sharded_payload(shards, "generate")
+        results = self._get(self.worker_group.run_all_workers_sharded_data("generate", shards, greedy=greedy))
+        results = [r for r in results if r.size] or results[:1]
+        pad = self.cfg.generation.pad_token_id
+        if pad is None and self.tokenizer is not None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": int(pad or 0)})
+
+    def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"scores": [B]}`` float32 from the sequence-classification head (``reward_model_cfg.enabled``)."""
+        self._check_data(data, "score")
+        if not self.cfg.reward_model_cfg.enabled:
+            raise ValueError("Policy.score needs reward_model_cfg.enabled (a sequence-classification model)")
+        dp = self.data_parallel_size
+        shards = data.shard_by_batch_size(dp, allow_uneven_shards=data.size % dp != 0)
+        self._report_sharded_payload(shards, "score")
+        results = self._get(self.worker_group.run_all_workers_sharded_data("score", shards))
+        return BatchedDataDict.from_batches(results)
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: Optional[int] = None,
+        mbs: Optional[int] = None,
+        timer: Any = None,
+        check_dim_skip_keys: Optional[Iterable[str]] = None,
+    ) -> dict[str, Any]:
+        """Train (or evaluate) on ``data``: one optimizer step per ``gbs`` rows.
+
+        Returns ``loss`` (mean over global batches of the global-batch loss), ``grad_norm``
+        (mean of the pre-clip norms), per-step ``losses`` / ``grad_norms`` / ``lr``,
+        ``all_mb_metrics`` (metric -> values of every micro-batch of every rank),
+        ``num_valid_tokens``, ``global_valid_seqs``, ``num_global_batches``, ``weights_version``.
+        ``check_dim_skip_keys`` is accepted for NeMo-RL compatibility and ignored.
+        """
+        self._check_data(data, "train")
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        dp = self.data_parallel_size
+        if data.size == 0 or data.size % gbs:
+            raise ValueError(f"train: batch of {data.size} rows is not a positive multiple of gbs {gbs}")
+        packing = self.cfg.sequence_packing.enabled or self.cfg.dynamic_batching.enabled
+        if not packing:
+            if gbs % dp:
+                raise ValueError(f"train: gbs {gbs} is not a multiple of the data-parallel size {dp}")
+            if (gbs // dp) % mbs:
+                raise ValueError(f"train: per-rank batch {gbs // dp} (gbs {gbs} / dp {dp}) is not a multiple of mbs {mbs}")
+        with _timed(timer, "train"):
+            shards = self._shard_for_train(data, gbs)
+            self._report_sharded_payload(shards, "train")
+            results = self._get(
+                self.worker_group.run_all_workers_sharded_data(
+                    "train", shards, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+                )
+            )
+        first = results[0]
+        metrics: dict[str, list[Any]] = {}
+        for r in results:
+            for key, values in r["all_mb_metrics"].items():
+                metrics.setdefault(key, []).extend(values)
+        losses, norms = first["global_loss"], first["grad_norm"]
+        self._weights_version = int(first["weights_version"])
+        return {
+            "loss": float(sum(losses) / len(losses)),
+            "grad_norm": float(sum(norms) / len(norms)),
+            "losses": list(losses),
+            "grad_norms": list(norms),
+            "lr": first["lr"][-1] if first["lr"] else 0.0,
+            "all_mb_metrics": metrics,
+            "num_valid_tokens": float(sum(first["global_valid_toks"])),
+            "global_valid_seqs": float(sum(first["global_valid_seqs"])),
+            "num_global_batches": len(losses),
+            "num_microbatches": [r["num_microbatches"] for r in results],
+            "weights_version": self._weights_version,
+            "train_time_s": max(r["train_time_s"] for r in results),
+        }
+
+    # ------------------------------------------------------------------ refit
+    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
+        """``RefitInfo.to_dict()``: metadata, fingerprint, buffer size and weights version."""
+        return self._get(self.worker_group.run_single_worker(0, "prepare_refit_info"))
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
+        """Policy rank 0 joins the refit broadcast group as its rank 0; returns ObjectRefs."""
+        return self.worker_group.run_all_workers_single_data(
+            "init_collective", ip, port, world_size, train_world_size=train_world_size
+        )
+
+    def broadcast_weights_for_collective(self, kv_scales: Optional[dict[str, float]] = None) -> list[Any]:
+        """Rank 0 sends the weights with the packed producer; returns ObjectRefs."""
+        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", kv_scales)
+
+    def weights_checksum(self, as_sent: bool = True) -> str:
+        """Checksum of the refit tensors (``as_sent``: cast to the refit dtype) of rank 0."""
+        return self._get(self.worker_group.run_single_worker(0, "weights_checksum", as_sent))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self._get(self.worker_group.run_all_workers_single_data(method, *args))
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """GPU: weights back on the device; CPU: eval mode."""
+        return all(self._all("prepare_for_generation"))
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """No generation state persists between calls (returns True)."""
+        return all(self._all("finish_generation"))
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """GPU: weights and optimizer state back on the device; CPU: train mode."""
+        self._all("prepare_for_training")
+
+    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
+        """GPU: weights on the device; CPU: eval mode."""
+        self._all("prepare_for_lp_inference")
+
+    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """No persistent KV cache exists here (True)."""
+        return all(self._all("invalidate_kv_cache"))
+
+    def finish_inference(self) -> None:
+        """GPU: offload weights to CPU; CPU: garbage collection only."""
+        self._all("finish_inference")
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        """Free gradients and collect garbage."""
+        self._all("finish_training")
+
+    def offload_before_refit(self) -> None:
+        """GPU: optimizer state to CPU; CPU: free gradients, gc."""
+        self._all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        """GPU: weights and optimizer state to CPU; CPU: free gradients, gc."""
+        self._all("offload_after_refit")
+
+    def offload_to_cpu(self) -> None:
+        """GPU: everything to CPU; CPU: nothing to move (gc only)."""
+        self._all("offload_to_cpu")
+
+    def get_free_memory_bytes(self) -> int:
+        """Smallest free memory over the workers (GPU memory, or system RAM on CPU)."""
+        return int(min(self._all("get_free_memory_bytes")))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        checkpointing_cfg: Any = None,
+    ) -> None:
+        """Write an HF-loadable safetensors folder (``weights_path``), optimizer + scheduler +
+        per-rank RNG states as safetensors + JSON (``optimizer_path``) and the tokenizer
+        (``tokenizer_path``, may equal ``weights_path``). Each dir is written to a temp dir and
+        renamed. Local paths on rank 0's node (use a shared filesystem across nodes)."""
+        if not weights_path and not optimizer_path and not tokenizer_path:
+            raise ValueError("save_checkpoint needs at least one of weights_path, optimizer_path, tokenizer_path")
+        rng_states = self._all("get_rng_state") if optimizer_path else []
+        self._get(
+            self.worker_group.run_single_worker(
+                0,
+                "save_checkpoint",
+                os.fspath(weights_path) if weights_path else None,
+                os.fspath(optimizer_path) if optimizer_path else None,
+                os.fspath(tokenizer_path) if tokenizer_path else None,
+                rng_states,
+            )
+        )
+
+    def finalize_async_save(self) -> None:
+        """No-op: ``save_checkpoint`` is synchronous (its dirs are complete when it returns)."""
+        return None
+
+    def load_checkpoint(self, weights_path: Optional[str], optimizer_path: Optional[str] = None) -> None:
+        """Restore weights (and, with ``optimizer_path``, optimizer, scheduler, RNG states and
+        weights version) into the live workers, bit-exactly. The reference weights are kept."""
+        if weights_path is None and optimizer_path is None:
+            raise ValueError("load_checkpoint needs weights_path and/or optimizer_path")
+        for label, path in (("weights_path", weights_path), ("optimizer_path", optimizer_path)):
+            if path is not None and not os.path.isdir(os.fspath(path)):
+                raise ValueError(f"{label} {os.fspath(path)!r} is not a directory")
+        statuses = self._get(
+            self.worker_group.run_all_workers_single_data(
+                "load_checkpoint",
+                os.fspath(weights_path) if weights_path else None,
+                os.fspath(optimizer_path) if optimizer_path else None,
+            )
+        )
+        self._weights_version = int(statuses[0]["weights_version"])
+
+    # ------------------------------------------------------------------ misc
+    def start_gpu_profiling(self) -> None:
+        """Start ``torch.profiler`` in every worker (CPU activities, plus CUDA on GPUs)."""
+        self._all("start_gpu_profiling")
+
+    def stop_gpu_profiling(self) -> list[str]:
+        """Stop profiling; each worker writes a Chrome trace. Returns the trace paths."""
+        return [p for p in self._all("stop_gpu_profiling") if p]
+
+    def print_node_ip_and_gpu_id(self) -> list[tuple[str, int]]:
+        """Print and return ``(node ip, GPU id)`` per worker (GPU id -1 on CPU)."""
+        out = [tuple(x) for x in self._all("node_ip_and_gpu_id")]
+        for rank, (ip, gpu) in enumerate(out):
+            print(f"policy worker {rank}: node {ip}, gpu {gpu}")
+        return out
+
+    def shutdown(self) -> bool:
+        """Kill the worker actors (from any process holding a handle). Idempotent.
+
+        The cluster's placement groups are left alone: they belong to the cluster, which other
+        worker groups (e.g. colocated generation) may share; call ``cluster.shutdown()``.
+        """
+        group, self._group = self._group, None
+        if group is None:
+            return False
+        return group.shutdown(force=False)
+
+    def __del__(self) -> None:
+        """Best effort, never raises: shuts down only non-detached actors this object created."""
+        try:
+            if getattr(self, "_created", False) and not getattr(self, "detached", True) and self._group is not None:
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, Ray gone, ...
+            pass
+
+    def __repr__(self) -> str:
+        size = self._group.world_size if self._group is not None else 0
+        return f"Policy({self.name_prefix!r}, namespace={self.namespace!r}, dp={size}, version={self._weights_version})"

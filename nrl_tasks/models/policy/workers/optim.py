@@ -1,0 +1,87 @@
+"""Optimizer, LR schedule and data-parallel gradient reduction for policy workers.
+
+Gradients are reduced with one explicit ``all_reduce(SUM)`` of a flat buffer after the
+micro-batch loop (no DDP hooks): losses are already normalised by the *global* number of valid
+tokens or sequences, so the sum over ranks is the gradient of the global loss. The reduction
+order is fixed for a given world size, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["allreduce_gradients", "build_optimizer", "build_scheduler", "clip_and_norm", "trainable_named_parameters"]
+
+
+def trainable_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, param)`` of parameters that require grad, tied ones once, in model order."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def build_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], cfg: Any) -> torch.optim.Optimizer:
+    """AdamW over ``named_params`` from ``PolicyConfig.optimizer``."""
+    kw = cfg.kwargs
+    extra = {} if kw.foreach is None else {"foreach": kw.foreach}
+    return torch.optim.AdamW(
+        [p for _, p in named_params],
+        lr=kw.lr,
+        betas=tuple(kw.betas),
+        eps=kw.eps,
+        weight_decay=kw.weight_decay,
+        **extra,
+    )
+
+
+class _ScheduleFactor:
+    """Picklable-free LR multiplier (state lives in the scheduler's ``last_epoch``)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def __call__(self, step: int) -> float:
+        return self.cfg.factor(step)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR from ``PolicyConfig.scheduler``; stepped once per optimizer step.
+
+    The multiplier is a function of the step count only, so the scheduler's JSON state
+    (``last_epoch``, ``base_lrs``, ``_last_lr``) is all a checkpoint needs.
+    """
+    factor = _ScheduleFactor(cfg)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: factor(step))
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, group: Any = None) -> None:
+    """Sum every parameter's gradient over the data-parallel group (missing grads count as 0)."""
+    if world_size <= 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([grads[i].reshape(-1) for i in indices])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for i in indices:
+            n = grads[i].numel()
+            view = flat[offset : offset + n].view_as(grads[i])
+            if params[i].grad is None:
+                params[i].grad = view.clone()
+            else:
+                params[i].grad.copy_(view)
+            offset += n
+
+
+def clip_and_norm(params: list[torch.nn.Parameter], max_grad_norm: float | None) -> float:
+    """Total L2 norm of the gradients before clipping; clips to ``max_grad_norm`` if set."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return 0.0
+    limit = float("inf") if max_grad_norm is None else float(max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, limit)
+    return float(norm)

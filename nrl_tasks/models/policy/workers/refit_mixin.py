@@ -1,0 +1,121 @@
+"""Producer side of a refit, mixed into ``PolicyWorker``.
+
+What travels: :func:`refit_named_tensors` of the model, i.e. ``model.state_dict()`` in order,
+each tensor once (a tied ``lm_head.weight`` that aliases the embedding is skipped), floating-point
+tensors cast to the refit dtype (the generation precision, else the policy precision); integer
+buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group);
+the other ranks hold identical weights and do nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["RefitMixin", "refit_named_tensors"]
+
+
+def refit_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``model.state_dict()`` in order, aliases of an earlier tensor skipped."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, tensor.detach()
+
+
+class RefitMixin:
+    """Refit methods of a policy worker (expects ``self.model``, ``self.cfg``, ``self.rank``)."""
+
+    _refit_group: Any = None
+    _refit_info: Any = None
+
+    def _refit_dtype(self) -> torch.dtype:
+        from nrl_tasks.utils.refit import dtype_from_str
+
+        return dtype_from_str(self.cfg.refit_dtype)
+
+    def _cast_for_refit(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        tensor = item[1]
+        if tensor.is_floating_point():
+            return tensor.to(self._refit_dtype())
+        return tensor
+
+    def _refit_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in refit_named_tensors(self.model):
+            yield name, self._cast_for_refit((name, tensor))
+
+    def prepare_refit_info(self) -> dict[str, Any] | None:
+        """``RefitInfo.to_dict()`` of what a broadcast will send (rank 0; others return None)."""
+        self._require_ready()
+        if self.rank != 0:
+            return None
+        from nrl_tasks.utils.packed_tensor import get_target_packed_tensor_size
+        from nrl_tasks.utils.refit import RefitInfo
+
+        dtype = self._refit_dtype()
+        shapes = (
+            (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
+            for n, t in refit_named_tensors(self.model)
+        )
+        self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version)
+        return self._refit_info.to_dict()
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int = 1) -> bool:
+        """Rank 0 joins the stateless broadcast group as group rank 0 (blocks until all join)."""
+        self._require_ready()
+        if train_world_size != 1:
+            raise ValueError(
+                f"train_world_size must be 1: only policy rank 0 joins the refit group, got {train_world_size}"
+            )
+        if self.rank != 0:
+            return False
+        from nrl_tasks.utils.collective import create_broadcast_group
+
+        self.close_refit_group()
+        timeout = self.cfg.generation.refit_timeout_s if self.cfg.generation is not None else 120.0
+        backend = "nccl" if self.device.type == "cuda" and self.cfg.dp_backend != "gloo" else "gloo"
+        self._refit_group = create_broadcast_group(ip, int(port), 0, int(world_size), timeout_s=timeout, backend=backend)
+        return True
+
+    def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
+        """Rank 0 streams the weights with the packed producer over the refit group."""
+        self._require_ready()
+        if kv_scales is not None:
+            raise ValueError("kv_scales (FP8 KV-cache scales) are not supported")
+        if self.rank != 0:
+            return False
+        if self._refit_group is None:
+            raise RuntimeError("broadcast_weights_for_collective before init_collective")
+        from nrl_tasks.utils.packed_tensor import get_target_packed_tensor_size, packed_broadcast_producer
+
+        size = self._refit_info.buffer_size_bytes if self._refit_info is not None else get_target_packed_tensor_size()
+        with torch.no_grad():
+            packed_broadcast_producer(
+                refit_named_tensors(self.model),
+                self._refit_group,
+                0,
+                self._cast_for_refit,
+                buffer_size_bytes=size,
+            )
+        return True
+
+    def weights_checksum(self, as_sent: bool = True) -> str:
+        """``weights_checksum`` of the refit tensors (cast as sent, or the master weights)."""
+        self._require_ready()
+        from nrl_tasks.utils.refit import weights_checksum
+
+        items = self._refit_items() if as_sent else refit_named_tensors(self.model)
+        return weights_checksum(items)
+
+    def close_refit_group(self) -> None:
+        group, self._refit_group = self._refit_group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception:  # noqa: BLE001 - partner already gone
+                pass

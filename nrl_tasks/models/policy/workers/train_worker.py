@@ -1,0 +1,665 @@
+"""``PolicyWorker``: one data-parallel rank of a :class:`~nrl_tasks.models.policy.lm_policy.Policy`.
+
+A Ray actor holding a Hugging Face model, its AdamW optimizer and LR scheduler, and the
+*reference* weights (the initial weights, as a CPU copy that is swapped in for reference
+logprobs; no second model). Ranks form a default ``torch.distributed`` process group (gloo on
+CPU, NCCL on GPU) used for the gradient all-reduce and global token counts.
+
+Lifecycle: the constructor only stores settings (cheap, so re-attaching by name is cheap);
+``setup(master_addr, master_port)`` joins the process group and loads the model. ``status()``
+says whether a (possibly re-attached) actor is set up and with which config.
+
+Device moves: on a GPU worker the model lives on ``cuda`` and ``offload_*`` move weights and
+optimizer state to CPU and back; on a CPU worker there is nothing to move, so those methods
+only switch train/eval mode, free gradients and run the garbage collector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.workers import checkpointing as ckpt
+from nrl_tasks.models.policy.workers.logprobs import (
+    forward_logits,
+    length_mask,
+    packed_forward_logprobs,
+    padded_forward_logprobs,
+)
+from nrl_tasks.models.policy.workers.optim import (
+    allreduce_gradients,
+    build_optimizer,
+    build_scheduler,
+    clip_and_norm,
+    trainable_named_parameters,
+)
+from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
+from nrl_tasks.models.policy.workers.rng import (
+    capture_rng_state,
+    configure_determinism,
+    restore_rng_state,
+    seed_everything,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PolicyWorker"]
+
+
+def _rank_from_env() -> tuple[int, int]:
+    return int(os.environ.get("NRL_WORKER_RANK", "0")), int(os.environ.get("NRL_WORKER_WORLD_SIZE", "1"))
+
+
+class PolicyWorker(RefitMixin):
+    """One DP rank. Methods are called through Ray by ``Policy``; see the module docstring."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        tokenizer: Any = None,
+        *,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        skip_weight_load: bool = False,
+    ) -> None:
+        self.cfg = PolicyConfig.model_validate(config)
+        self.tokenizer = tokenizer
+        self.rank, self.world_size = _rank_from_env()
+        self.init_optimizer = init_optimizer
+        self.init_reference_model = init_reference_model
+        self.weights_path = weights_path
+        self.optimizer_path = optimizer_path
+        self.skip_weight_load = skip_weight_load
+        self.ready = False
+        self.weights_version = 0
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.reference: dict[str, torch.Tensor] | None = None
+        self._profiler: Any = None
+        self._offloaded = False
+        configure_determinism(self.cfg.deterministic, self.cfg.torch_num_threads)
+        self.device = self._pick_device()
+
+    # ---------------------------------------------------------------------- setup
+    @staticmethod
+    def _pick_device() -> torch.device:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        return torch.device("cpu")
+
+    def get_free_address(self) -> tuple[str, int]:
+        """``(ip, port)`` for the process-group rendezvous hosted by this (rank 0) worker."""
+        from nrl_tasks.utils.collective import find_free_port, get_node_ip
+
+        ip = get_node_ip()
+        return ip, find_free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
+
+    def status(self) -> dict[str, Any]:
+        """Whether this actor is set up, with which config, at which weights version."""
+        return {
+            "ready": self.ready,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "config_hash": self.cfg.config_hash(),
+            "config": self.cfg.model_dump(mode="json"),
+            "weights_version": self.weights_version,
+            "pid": os.getpid(),
+        }
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the DP process group and load model, optimizer and reference weights."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = self.cfg.dp_backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        from datetime import timedelta
+
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.dist_timeout_s),
+        )
+        seed_everything(self.cfg.seed)
+        self._load_model()
+        named = trainable_named_parameters(self.model)
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        if self.init_optimizer and not self.cfg.reward_model_cfg.enabled:
+            self.optimizer = build_optimizer(named, self.cfg.optimizer)
+            self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
+        if self.init_reference_model and not self.cfg.reward_model_cfg.enabled:
+            self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._swappable().items()}
+        if self.weights_path:
+            ckpt.load_hf_weights_into(self.model, self.weights_path)
+        if self.optimizer_path:
+            self._load_optimizer_and_rng(self.optimizer_path)
+        self.ready = True
+        return self.status()
+
+    def _load_model(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        path = self.cfg.model_name
+        if not os.path.isdir(path):
+            raise ValueError(f"model_name {path!r} is not a local directory (nothing is downloaded)")
+        auto = AutoModelForSequenceClassification if self.cfg.reward_model_cfg.enabled else AutoModelForCausalLM
+        # master weights stay float32; "bfloat16" runs forward/backward under autocast
+        if self.skip_weight_load:
+            model = auto.from_config(AutoConfig.from_pretrained(path, local_files_only=True), dtype=torch.float32)
+        else:
+            model = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        self.model = model.to(self.device)
+        self.model.train()
+
+    def _swappable(self) -> dict[str, torch.Tensor]:
+        """Parameters (tied ones once) and persistent buffers, by name."""
+        out = {n: p for n, p in self.model.named_parameters()}
+        persistent = self.model.state_dict(keep_vars=True)
+        for name, buf in self.model.named_buffers():
+            if name in persistent:
+                out[name] = buf
+        return out
+
+    def _require_ready(self) -> None:
+        if not self.ready:
+            raise RuntimeError(f"policy worker rank {self.rank} is not set up (call setup first)")
+
+    def _autocast(self):
+        if self.cfg.precision == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ forward
+    def _mb_logprobs(self, mb: BatchedDataDict, packed: bool) -> torch.Tensor:
+        ids = mb["input_ids"].to(self.device)
+        lengths = mb["input_lengths"].to(self.device)
+        with self._autocast():
+            if packed:
+                return packed_forward_logprobs(
+                    self.model, ids, lengths, self.cfg.temperature, self.cfg.sequence_packing.sequence_length_pad_multiple
+                )
+            return padded_forward_logprobs(self.model, ids, lengths, self.cfg.temperature)
+
+    def _microbatches(self, data: BatchedDataDict, mbs: int) -> tuple[list[BatchedDataDict], bool]:
+        """Micro-batches of ``data`` per its plan (dynamic / packing) or of ``mbs`` rows."""
+        if data.micro_batch_kind == "dynamic":
+            return list(data.make_microbatch_iterator_with_dynamic_shapes()), False
+        if data.micro_batch_kind == "packing":
+            return list(data.make_microbatch_iterator_for_packable_sequences()), True
+        return [data.slice(i, min(i + mbs, data.size)) for i in range(0, data.size, mbs)], False
+
+    @torch.no_grad()
+    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        """``{"logprobs": [B, S]}`` float32 on CPU for this shard (NeMo-RL layout)."""
+        self._require_ready()
+        self._check_causal_lm("get_logprobs")
+        _check_inputs(data)
+        width = data["input_ids"].shape[1]
+        if data.size == 0:
+            return BatchedDataDict({"logprobs": torch.zeros(0, width, dtype=torch.float32)})
+        self.model.eval()
+        mbs, packed = self._microbatches(data, micro_batch_size or self.cfg.effective_logprob_batch_size)
+        rows = []
+        for mb in mbs:
+            lp = self._mb_logprobs(mb, packed).cpu()
+            if lp.shape[1] < width:
+                lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
+            rows.append(lp)
+        return BatchedDataDict({"logprobs": torch.cat(rows)})
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``{"reference_logprobs": [B, S]}``: logprobs under the initial weights."""
+        self._require_ready()
+        if self.reference is None:
+            raise ValueError("this policy was created with init_reference_model=False: no reference weights")
+        with self._use_reference():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
+
+    @contextlib.contextmanager
+    def _use_reference(self):
+        live = self._swappable()
+        saved = {n: t.data for n, t in live.items()}
+        try:
+            for n, t in live.items():
+                t.data = self.reference[n].to(t.device) if t.device.type != "cpu" else self.reference[n]
+            yield
+        finally:
+            for n, t in live.items():
+                t.data = saved[n]
+
+    @torch.no_grad()
+    def get_topk_logits(self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None) -> BatchedDataDict:
+        """``topk_logits [B, S, k]`` (float32, divided by temperature) and ``topk_indices [B, S, k]``.
+
+        Position ``t`` holds the top-k of the distribution predicting token ``t + 1``; padding 0.
+        """
+        self._require_ready()
+        self._check_causal_lm("get_topk_logits")
+        _check_inputs(data)
+        batch, width = data["input_ids"].shape
+        values = torch.zeros(batch, width, k, dtype=torch.float32)
+        indices = torch.zeros(batch, width, k, dtype=torch.long)
+        self.model.eval()
+        mbs = micro_batch_size or self.cfg.effective_logprob_batch_size
+        for start in range(0, batch, mbs):
+            mb = data.slice(start, min(batch, start + mbs))
+            ids = mb["input_ids"].to(self.device)
+            with self._autocast():
+                logits = forward_logits(self.model, ids).float() / self.cfg.temperature
+            top = logits.topk(k, dim=-1)
+            keep = length_mask(mb["input_lengths"].to(self.device), ids.shape[1]).unsqueeze(-1)
+            values[start : start + mb.size] = torch.where(keep, top.values, 0.0).cpu()
+            indices[start : start + mb.size] = torch.where(keep, top.indices, 0).cpu()
+        return BatchedDataDict({"topk_logits": values, "topk_indices": indices})
+
+    def _check_causal_lm(self, what: str) -> None:
+        if self.cfg.reward_model_cfg.enabled:
+            raise ValueError(f"{what} needs a causal LM; this policy is a reward model (reward_model_cfg.enabled)")
+
+    # -------------------------------------------------------------------- train
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """Train on this rank's shard: one optimizer step per global batch.
+
+        Global valid token/sequence counts are all-reduced before each global batch's
+        micro-batch loop and passed to ``loss_fn``, so micro-batch losses sum (over micro-batches
+        and ranks) to the global-batch loss. Returns this rank's per-global-batch results.
+        """
+        self._require_ready()
+        self._check_causal_lm("train")
+        _check_inputs(data)
+        if not eval_mode and self.optimizer is None:
+            raise ValueError("this policy was created with init_optimizer=False: it cannot train")
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        if data.micro_batch_kind is not None:
+            global_batches = [data.get_batch(g) for g in range(len(data.elem_counts_per_gb or []))]
+        else:
+            local = gbs // self.world_size
+            if local < 1 or data.size % local:
+                raise ValueError(
+                    f"rank {self.rank}: shard of {data.size} rows is not a multiple of the local batch "
+                    f"{local} (gbs {gbs} / {self.world_size} ranks)"
+                )
+            global_batches = [data.get_batch(g, local) for g in range(data.size // local)]
+        # every rank must run the same number of optimizer steps
+        counts = torch.tensor([len(global_batches)], dtype=torch.long, device=self._comm_device())
+        gathered = [torch.zeros_like(counts) for _ in range(self.world_size)]
+        dist.all_gather(gathered, counts)
+        if len({int(c) for c in gathered}) != 1:
+            raise ValueError(f"ranks hold different numbers of global batches: {[int(c) for c in gathered]}")
+
+        self.model.train()
+        results: dict[str, Any] = {
+            "global_loss": [], "grad_norm": [], "lr": [], "global_valid_toks": [], "global_valid_seqs": [],
+            "num_microbatches": [], "all_mb_metrics": {},
+        }
+        start = time.perf_counter()
+        for gb in global_batches:
+            self._train_global_batch(gb, loss_fn, eval_mode, mbs, results)
+        if not eval_mode:
+            self.weights_version += 1
+        results["weights_version"] = self.weights_version
+        results["train_time_s"] = time.perf_counter() - start
+        return results
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _train_global_batch(self, gb: BatchedDataDict, loss_fn: Any, eval_mode: bool, mbs: int, results: dict) -> None:
+        gb = _with_default_masks(gb)
+        token_mask, sample_mask = gb["token_mask"], gb["sample_mask"]
+        counts = torch.tensor(
+            [float((token_mask[:, 1:].double() * sample_mask.double().unsqueeze(1)).sum()), float(sample_mask.double().sum())],
+            dtype=torch.float64,
+        ).to(self._comm_device())
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        global_valid_toks = counts[0].to(self.device, torch.float32)
+        global_valid_seqs = counts[1].to(self.device, torch.float32)
+
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        micro_batches, packed = self._microbatches(gb, mbs)
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            mb = _on_device(mb, self.device)
+            with torch.set_grad_enabled(not eval_mode):
+                lp = self._mb_logprobs(mb, packed)
+                loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
+                if not eval_mode:
+                    loss.backward()
+            total += loss.detach().double().cpu()
+            for key, value in (metrics or {}).items():
+                results["all_mb_metrics"].setdefault(key, []).append(_to_float(value))
+        loss_sum = total.to(self._comm_device())
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        grad_norm = 0.0
+        if not eval_mode:
+            allreduce_gradients(self.params, self.world_size)
+            grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        results["global_loss"].append(float(loss_sum))
+        results["grad_norm"].append(grad_norm)
+        results["lr"].append(float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0)
+        results["global_valid_toks"].append(float(counts[0]))
+        results["global_valid_seqs"].append(float(counts[1]))
+        results["num_microbatches"].append(len(micro_batches))
+
+    # ----------------------------------------------------------------- generate / score
+    @torch.no_grad()
+    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """In-process HF sampling with this worker's live weights (colocated use)."""
+        self._require_ready()
+        self._check_causal_lm("generate")
+        gen = self.cfg.generation
+        if gen is None:
+            raise ValueError("Policy.generate needs a 'generation' section in the policy config")
+        try:
+            from nrl_tasks.models.generation.hf_sampling import generate_batch
+        except ImportError as exc:  # pragma: no cover - module ships with the package
+            raise NotImplementedError(f"Policy.generate needs nrl_tasks.models.generation.hf_sampling: {exc}") from exc
+        _check_inputs(data)
+        self.model.eval()
+        stop_strings = data.get("stop_strings", gen.stop_strings)
+        out = generate_batch(
+            self.model,
+            self.tokenizer if self.tokenizer is not None else int(gen.pad_token_id or 0),
+            data["input_ids"],
+            data["input_lengths"],
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            stop_token_ids=gen.stop_token_ids,
+            stop_strings=stop_strings,
+            seeds=data.get("seeds"),
+            greedy=greedy,
+            ignore_eos=gen.ignore_eos,
+            pad_token_id=gen.pad_token_id,
+            max_batch_size=gen.max_batch_size,
+        )
+        return BatchedDataDict(out)
+
+    @torch.no_grad()
+    def score(self, data: BatchedDataDict) -> BatchedDataDict:
+        """``{"scores": [B]}`` float32: the reward head at each row's last valid token."""
+        self._require_ready()
+        if not self.cfg.reward_model_cfg.enabled:
+            raise ValueError("Policy.score needs reward_model_cfg.enabled (a sequence-classification model)")
+        _check_inputs(data)
+        if data.size == 0:
+            return BatchedDataDict({"scores": torch.zeros(0, dtype=torch.float32)})
+        self.model.eval()
+        ids = data["input_ids"].to(self.device)
+        lengths = data["input_lengths"].to(self.device).to(torch.long)
+        if int(lengths.min()) < 1:
+            raise ValueError("score: every row needs input_lengths >= 1")
+        base = getattr(self.model, self.model.base_model_prefix)
+        with self._autocast():
+            hidden = base(input_ids=ids, use_cache=False).last_hidden_state
+            logits = self.model.score(hidden).float()  # [B, S, num_labels]
+        last = logits[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
+        return BatchedDataDict({"scores": last[:, 0].cpu()})
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_rng_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return capture_rng_state()
+
+    def save_checkpoint(
+        self,
+        weights_path: str | None,
+        optimizer_path: str | None,
+        tokenizer_path: str | None,
+        rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs."""
+        self._require_ready()
+        if self.rank != 0:
+            return {}
+        written: dict[str, Any] = {}
+        if weights_path:
+            def write_weights(tmp: str) -> None:
+                self.model.save_pretrained(tmp)
+                if tokenizer_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path):
+                    self.tokenizer.save_pretrained(tmp)
+
+            ckpt.write_dir_atomically(weights_path, write_weights)
+            written["weights_path"] = weights_path
+        if optimizer_path:
+            if self.optimizer is None:
+                raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
+
+            def write_optimizer(tmp: str) -> None:
+                meta = {"weights_version": self.weights_version, "data_parallel_size": self.world_size}
+                ckpt.optimizer_state_to_files(self.optimizer, self.param_names, self.scheduler, tmp, meta)
+                for rank, (tensors, json_state) in enumerate(rng_states):
+                    ckpt.write_rng_files(tmp, rank, tensors, json_state)
+
+            ckpt.write_dir_atomically(optimizer_path, write_optimizer)
+            written["optimizer_path"] = optimizer_path
+        if tokenizer_path and not (weights_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path)):
+            if self.tokenizer is None:
+                raise ValueError("tokenizer_path given but the policy workers hold no tokenizer")
+            ckpt.write_dir_atomically(tokenizer_path, self.tokenizer.save_pretrained)
+            written["tokenizer_path"] = tokenizer_path
+        return written
+
+    def load_checkpoint(self, weights_path: str | None, optimizer_path: str | None = None) -> dict[str, Any]:
+        """Restore weights and, with ``optimizer_path``, optimizer, scheduler, RNG and version."""
+        self._require_ready()
+        if weights_path:
+            ckpt.load_hf_weights_into(self.model, weights_path)
+        if optimizer_path:
+            self._load_optimizer_and_rng(optimizer_path)
+        return self.status()
+
+    def _load_optimizer_and_rng(self, path: str) -> None:
+        if self.optimizer is None:
+            raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
+        document = ckpt.read_optimizer_json(path)
+        saved_dp = int(document.get("data_parallel_size", self.world_size))
+        if saved_dp != self.world_size:
+            raise ValueError(
+                f"checkpoint {path!r} was written by {saved_dp} data-parallel ranks, this policy has "
+                f"{self.world_size} (RNG states are per rank)"
+            )
+        rng = ckpt.load_rng_files(path, self.rank)  # fail before touching the optimizer
+        ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path)
+        restore_rng_state(*rng)
+        self.weights_version = int(document.get("weights_version", self.weights_version))
+
+    def set_weights_version(self, version: int) -> int:
+        self.weights_version = int(version)
+        return self.weights_version
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_for_training(self) -> None:
+        """GPU: move weights and optimizer state back to the device. CPU: train mode only."""
+        self._require_ready()
+        self._to_device()
+        self.model.train()
+
+    def prepare_for_lp_inference(self) -> None:
+        """GPU: weights to the device; CPU: eval mode only."""
+        self._require_ready()
+        self._to_device()
+        self.model.eval()
+
+    def prepare_for_generation(self) -> bool:
+        """Same as ``prepare_for_lp_inference`` (generation uses the live weights)."""
+        self.prepare_for_lp_inference()
+        return True
+
+    def finish_generation(self) -> bool:
+        """Nothing is cached between ``generate`` calls (the KV cache is per call)."""
+        return True
+
+    def invalidate_kv_cache(self) -> bool:
+        """No persistent KV cache exists (each ``generate`` call builds its own): nothing to drop."""
+        return True
+
+    def finish_inference(self) -> None:
+        """GPU: offload weights to CPU; CPU: only a garbage-collection pass."""
+        self.offload_to_cpu(optimizer=False)
+
+    def finish_training(self) -> None:
+        """Free gradients (``set_to_none``) and collect garbage; GPU memory is returned to the cache."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        self._collect()
+
+    def offload_before_refit(self) -> None:
+        """GPU: optimizer state to CPU (weights stay for the broadcast). CPU: free grads and gc."""
+        self.finish_training()
+        if self.device.type == "cuda" and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self._offloaded = True
+        self._collect()
+
+    def offload_after_refit(self) -> None:
+        """GPU: weights and optimizer state to CPU. CPU: free grads and gc."""
+        self.offload_to_cpu(optimizer=True)
+
+    def offload_to_cpu(self, optimizer: bool = True) -> None:
+        """GPU: move weights (and optimizer state) to CPU. CPU: nothing to move; gc only."""
+        if self.device.type == "cuda" and self.model is not None:
+            self.model.to("cpu")
+            if optimizer and self.optimizer is not None:
+                _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self._offloaded = True
+        self._collect()
+
+    def _to_device(self) -> None:
+        if self._offloaded:
+            self.model.to(self.device)
+            if self.optimizer is not None:
+                _move_optimizer_state(self.optimizer, self.device)
+            self._offloaded = False
+
+    def _collect(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def get_free_memory_bytes(self) -> int:
+        """Free device memory: ``cudaMemGetInfo`` on GPU, available system RAM (psutil) on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    def node_ip_and_gpu_id(self) -> tuple[str, int]:
+        """``(node ip, GPU id)``; the GPU id is -1 on a CPU worker."""
+        import ray
+
+        gpu_ids = ray.get_gpu_ids()
+        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
+
+    def start_gpu_profiling(self) -> None:
+        """Start ``torch.profiler`` (CPU activities, plus CUDA on a GPU worker)."""
+        if self._profiler is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+        self._profiler.__enter__()
+
+    def stop_gpu_profiling(self) -> str | None:
+        """Stop profiling and write a Chrome trace; returns its path (None if not profiling)."""
+        if self._profiler is None:
+            return None
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        import tempfile
+
+        out_dir = self.cfg.profiler_dir or os.path.join(tempfile.gettempdir(), "nrl-profiles")
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"policy_rank{self.rank}_{os.getpid()}_{int(time.time() * 1000)}.json")
+        prof.export_chrome_trace(path)
+        return path
+
+    def shutdown(self) -> bool:
+        """Leave the process groups (the actor is killed by the caller afterwards)."""
+        self.close_refit_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - partner already gone
+                pass
+        return True
+
+
+# ------------------------------------------------------------------------------ helpers
+def _check_inputs(data: BatchedDataDict) -> None:
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise ValueError(f"batch is missing key {key!r} (have {sorted(data.keys())})")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        raise ValueError(f"input_ids must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (ids.shape[0],):
+        raise ValueError(f"input_lengths must be a [B] tensor for input_ids {tuple(ids.shape)}")
+
+
+def _with_default_masks(data: BatchedDataDict) -> BatchedDataDict:
+    """Add ``token_mask`` (positions < length) and ``sample_mask`` (ones) when absent."""
+    if "token_mask" in data and "sample_mask" in data:
+        return data
+    out = type(data)(dict(data))
+    for attr in ("micro_batch_kind", "micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb"):
+        setattr(out, attr, getattr(data, attr))
+    if "token_mask" not in out:
+        out["token_mask"] = length_mask(data["input_lengths"], data["input_ids"].shape[1]).to(torch.float32)
+    if "sample_mask" not in out:
+        out["sample_mask"] = torch.ones(data.size, dtype=torch.float32)
+    return out
+
+
+def _on_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
+    return mb if device.type == "cpu" else mb.to(device)
+
+
+def _to_float(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean()) if value.numel() else 0.0
+    return value
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device)
