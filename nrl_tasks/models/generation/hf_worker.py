@@ -9,8 +9,8 @@ stale and holds ``v`` (``v=None``: only "not stale").
 
 :class:`HfGenerationWorker` is the ``hf`` backend: an ``AutoModelForCausalLM`` in the
 generation precision on CUDA when the actor was given a GPU, else on CPU; ``generate`` runs
-:func:`~nrl_tasks.models.generation.hf_sampling.generate_batch`. Refit tensors are the model's
-``named_parameters()`` (tied weights once) in that order, in the generation dtype.
+:func:`~nrl_tasks.models.generation.hf_sampling.generate_batch`. Refit tensors are
+:func:`hf_refit_named_tensors` (the state dict, tied weights once) in the generation dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +24,24 @@ import torch
 from nrl_tasks.models.generation.hf_sampling import generate_batch, resolve_pad_and_stop_ids
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
 
-__all__ = ["GenerationWorkerBase", "HfGenerationWorker", "merge_stop_strings"]
+__all__ = ["GenerationWorkerBase", "HfGenerationWorker", "hf_refit_named_tensors", "merge_stop_strings"]
+
+
+def hf_refit_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a refit carries for an HF model: ``model.state_dict()`` in order, each tensor once.
+
+    A tied ``lm_head.weight`` (same tensor as the embedding) is skipped; persistent buffers are
+    included. This is the Policy's producer order (``refit_named_tensors`` in its refit mixin);
+    any disagreement surfaces as ``RefitMismatchError`` in ``prepare_refit_info``.
+    """
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor.detach()))
+    return out
 
 
 def merge_stop_strings(global_stops: list[str] | None, per_row: Any, batch: int) -> list[list[str]] | None:
@@ -249,7 +266,7 @@ class HfGenerationWorker(GenerationWorkerBase):
 
     # ---------------------------------------------------------------- refit
     def _refit_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.model.named_parameters())
+        return hf_refit_named_tensors(self.model)
 
     def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         from nrl_tasks.utils.refit import refit_metadata

@@ -34,7 +34,7 @@ import torch
 
 from nrl_tasks.models.generation.hf_generation import RayGenerationGroup
 from nrl_tasks.models.generation.hf_sampling import build_generation_output, resolve_pad_and_stop_ids
-from nrl_tasks.models.generation.hf_worker import GenerationWorkerBase, merge_stop_strings
+from nrl_tasks.models.generation.hf_worker import GenerationWorkerBase, hf_refit_named_tensors, merge_stop_strings
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.generation.vllm_worker_extension import NRL_WORKER_EXTENSION
 
@@ -166,14 +166,14 @@ class VllmGenerationWorker(GenerationWorkerBase):
 
     # ---------------------------------------------------------------- refit
     def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """HF-layout ``named_parameters()`` of the checkpoint's architecture, in the generation dtype."""
+        """HF-layout refit tensors of the checkpoint's architecture (meta device), generation dtype."""
         if self._meta_cache is None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             config = AutoConfig.from_pretrained(self.model_path)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
-            self._meta_cache = [(n, tuple(p.shape), self.dtype) for n, p in model.named_parameters()]
+            self._meta_cache = [(n, tuple(t.shape), t.dtype) for n, t in hf_refit_named_tensors(model)]
         return list(self._meta_cache)
 
     def _collective_backend(self) -> str:
@@ -208,7 +208,7 @@ class VllmGenerationWorker(GenerationWorkerBase):
             from nrl_tasks.utils.refit import weights_checksum
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
-            self._checksum = weights_checksum(model.named_parameters())
+            self._checksum = weights_checksum(hf_refit_named_tensors(model))
         return self._checksum
 
     def shutdown(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from nrl_tasks.models.generation.hf_generation import HfGeneration, contiguous_bounds
 from nrl_tasks.models.generation.hf_sampling import generate_batch
+from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,7 +68,7 @@ def _local(model, tok, batch, cfg, greedy):
 
 def _perturbed_params(model, scale: float, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(n, (p.detach() + scale * torch.randn(p.shape, generator=g)).contiguous()) for n, p in model.named_parameters()]
+    return [(n, (t + scale * torch.randn(t.shape, generator=g)).contiguous()) for n, t in hf_refit_named_tensors(model)]
 
 
 def _refit(gen, named, version: int, *, timeout_s: float = 20.0, stop_after: int | None = None):
@@ -139,7 +140,7 @@ def test_stale_version_refused_and_mark_stale(gen, batch):
 def test_refit_mismatch_names_the_parameter(gen, local_model):
     from nrl_tasks.utils.refit import RefitInfo, RefitMismatchError
 
-    named = [(n, p.detach()) for n, p in local_model[0].named_parameters()]
+    named = hf_refit_named_tensors(local_model[0])
     bad_shape = [(n, t[:-1] if n.endswith("layers.1.mlp.up_proj.weight") else t) for n, t in named]
     with pytest.raises(RefitMismatchError, match="model.layers.1.mlp.up_proj.weight"):
         gen.prepare_refit_info(RefitInfo.build(bad_shape, BUFFER, 1).to_dict())
