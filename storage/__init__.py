@@ -1,0 +1,74 @@
+"""nrl-flows storage: batches as committed Arrow IPC datasets, and atomic file helpers.
+
+>>> from storage import save_batch, load_batch  # doctest: +SKIP
+
+Datasets live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and a
+``_manifest.json`` written last (the commit). See ``storage.store`` for the protocol,
+``storage.tensor_codec`` / ``storage.pycodec`` for the column layouts and ``storage.fs`` for
+the filesystem helpers shared with checkpoints, metrics and configs.
+"""
+
+from __future__ import annotations
+
+from storage.errors import (
+    AlreadyCommittedError,
+    CorruptDatasetError,
+    MissingShardError,
+    NotCommittedError,
+)
+from storage.fs import (
+    download_dir,
+    exists,
+    is_s3,
+    join,
+    list_dir,
+    mask_options,
+    read_bytes,
+    read_text,
+    remove,
+    resolve,
+    upload_dir,
+    write_bytes_atomic,
+    write_text_atomic,
+)
+from storage.manifest import MANIFEST_NAME, ColumnSpec, Manifest, ShardInfo
+from storage.store import (
+    delete_batch,
+    is_committed,
+    list_batches,
+    load_batch,
+    read_manifest,
+    save_batch,
+    shard_ranges,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "AlreadyCommittedError",
+    "ColumnSpec",
+    "CorruptDatasetError",
+    "Manifest",
+    "MissingShardError",
+    "NotCommittedError",
+    "ShardInfo",
+    "delete_batch",
+    "download_dir",
+    "exists",
+    "is_committed",
+    "is_s3",
+    "join",
+    "list_batches",
+    "list_dir",
+    "load_batch",
+    "mask_options",
+    "read_bytes",
+    "read_manifest",
+    "read_text",
+    "remove",
+    "resolve",
+    "save_batch",
+    "shard_ranges",
+    "upload_dir",
+    "write_bytes_atomic",
+    "write_text_atomic",
+]

@@ -1,0 +1,405 @@
+"""Filesystem helpers shared by every nrl-flows writer: local paths, ``file://`` and ``s3://``.
+
+One place decides how a URI maps to an fsspec filesystem, how S3 is configured and how a file
+is written so that a reader never sees half of it:
+
+- local: a temp file in the same directory (``.<name>.tmp-<random>``), ``fsync``, ``os.replace``,
+  then ``fsync`` of the directory;
+- S3: a single PUT (or a multipart upload completed at the end); S3 makes an object visible
+  only once it is complete, so the object itself is the commit.
+
+S3 configuration comes from explicit ``storage_options`` (s3fs keyword arguments, e.g.
+``{"endpoint_url": ..., "key": ..., "secret": ...}``) or else from the standard AWS variables:
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN`` (and whatever else botocore's default chain finds, e.g. a profile).
+No region is forced (s3fs with ``region_name="us-east-1"`` breaks bucket creation).
+Credentials never appear in errors or reprs: use :func:`mask_options` to show options.
+
+s3fs caches directory listings per filesystem instance; every query here that depends on
+what exists (``exists``, ``list_dir``, ``walk_files``) drops the cache for its path first, so
+writes by other processes are seen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Mapping
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = [
+    "TMP_MARKER",
+    "download_dir",
+    "exists",
+    "is_local",
+    "is_s3",
+    "is_temp_name",
+    "join",
+    "list_dir",
+    "mask_options",
+    "read_bytes",
+    "read_text",
+    "remove",
+    "resolve",
+    "s3_options",
+    "upload_dir",
+    "walk_files",
+    "write_bytes_atomic",
+    "write_text_atomic",
+]
+
+#: Temp files written by this module are named ``.<final name>.tmp-<hex>``.
+TMP_MARKER = ".tmp-"
+_SECRET_WORDS = ("secret", "token", "password", "key", "credential", "session")
+_LOCAL = LocalFileSystem()
+
+
+# --------------------------------------------------------------------------- URIs
+def is_s3(uri: str | os.PathLike[str]) -> bool:
+    """True for ``s3://`` (and ``s3a://``) URIs."""
+    return str(uri).startswith(("s3://", "s3a://"))
+
+
+def is_local(uri: str | os.PathLike[str]) -> bool:
+    """True for plain paths and ``file://`` URIs."""
+    text = str(uri)
+    return text.startswith("file://") or "://" not in text
+
+
+def _local_path(uri: str) -> str:
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def join(uri: str | os.PathLike[str], *parts: str) -> str:
+    """Join path parts onto a URI with ``/``, keeping its scheme.
+
+    >>> join("s3://bucket/run", "steps", "step_000001/")
+    's3://bucket/run/steps/step_000001'
+    >>> join("/tmp/run/", "a")
+    '/tmp/run/a'
+    """
+    out = str(uri)
+    for part in parts:
+        part = str(part).strip("/")
+        if part:
+            out = out.rstrip("/") + "/" + part
+    return out
+
+
+def is_temp_name(name: str) -> bool:
+    """True for names of temp files written by :func:`write_bytes_atomic` and friends."""
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith(".") and TMP_MARKER in base
+
+
+# --------------------------------------------------------------------------- filesystems
+def mask_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``options`` safe to print: credential values replaced by ``'***'``.
+
+    >>> mask_options({"key": "AKIA", "secret": "s", "endpoint_url": "http://127.0.0.1:9000"})
+    {'key': '***', 'secret': '***', 'endpoint_url': 'http://127.0.0.1:9000'}
+    """
+    out: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        lowered = str(name).lower()
+        if isinstance(value, Mapping):
+            out[name] = mask_options(value)
+        elif any(word in lowered for word in _SECRET_WORDS) and value is not None:
+            out[name] = "***"
+        else:
+            out[name] = value
+    return out
+
+
+def s3_options(storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """s3fs keyword arguments: explicit options win, the AWS environment fills the gaps.
+
+    Explicit ``storage_options`` are used as given when they name an endpoint or credentials;
+    otherwise ``endpoint_url`` comes from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` and
+    ``key``/``secret``/``token`` from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
+    ``AWS_SESSION_TOKEN`` (passing them explicitly makes fsspec's instance cache follow
+    changes of the environment).
+    """
+    opts = dict(storage_options or {})
+    client_kwargs = opts.get("client_kwargs") or {}
+    if "endpoint_url" not in opts and "endpoint_url" not in client_kwargs:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+    explicit_creds = any(k in opts for k in ("key", "secret", "token", "anon", "profile"))
+    if not explicit_creds:
+        for opt, env in (
+            ("key", "AWS_ACCESS_KEY_ID"),
+            ("secret", "AWS_SECRET_ACCESS_KEY"),
+            ("token", "AWS_SESSION_TOKEN"),
+        ):
+            if os.environ.get(env):
+                opts[opt] = os.environ[env]
+    return opts
+
+
+def resolve(
+    uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """``(filesystem, path)`` for a URI: local absolute path, ``bucket/key`` for S3.
+
+    >>> fs, path = resolve("file:///tmp/x/")
+    >>> type(fs).__name__, path
+    ('LocalFileSystem', '/tmp/x')
+    """
+    text = os.fspath(uri)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"expected a non-empty path or URI, got {uri!r}")
+    if is_local(text):
+        return _LOCAL, _local_path(text).rstrip("/") or "/"
+    if is_s3(text):
+        fs = fsspec.filesystem("s3", **s3_options(storage_options))
+        return fs, text.split("://", 1)[1].rstrip("/")
+    fs, path = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
+    return fs, path.rstrip("/")
+
+
+def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    if fs is not _LOCAL:
+        fs.invalidate_cache(path)
+
+
+# --------------------------------------------------------------------------- queries
+def exists(uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether a file or directory (prefix) exists at ``uri`` (fresh, not from a cache)."""
+    fs, path = resolve(uri, storage_options)
+    _invalidate(fs, path)
+    return bool(fs.exists(path))
+
+
+def list_dir(
+    uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Sorted names (not paths) of the direct children of ``uri``; ``[]`` when it is missing.
+
+    Temp files of unfinished atomic writes are left out.
+    """
+    fs, path = resolve(uri, storage_options)
+    _invalidate(fs, path)
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+    names.discard("")
+    return sorted(n for n in names if not is_temp_name(n))
+
+
+def walk_files(
+    uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Sorted paths, relative to ``uri`` with ``/`` separators, of every file below it."""
+    fs, path = resolve(uri, storage_options)
+    _invalidate(fs, path)
+    try:
+        found = fs.find(path)
+    except FileNotFoundError:
+        return []
+    prefix = path.rstrip("/") + "/"
+    return sorted(p[len(prefix) :] for p in found if p.startswith(prefix))
+
+
+def read_bytes(uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """The whole content of one file."""
+    fs, path = resolve(uri, storage_options)
+    if fs is _LOCAL:
+        with open(path, "rb") as f:
+            return f.read()
+    return fs.cat_file(path)
+
+
+def read_text(
+    uri: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    encoding: str = "utf-8",
+) -> str:
+    """The whole content of one text file."""
+    return read_bytes(uri, storage_options).decode(encoding)
+
+
+# --------------------------------------------------------------------------- writes
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def local_temp_path(path: str) -> str:
+    """A fresh temp name next to ``path`` (same directory, so ``os.replace`` is atomic)."""
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+
+
+def commit_local(tmp: str, path: str, fsync_dir: bool = True) -> None:
+    """``os.replace`` a finished temp file onto ``path`` and make the rename durable."""
+    os.replace(tmp, path)
+    if fsync_dir:
+        _fsync_dir(os.path.dirname(path))
+
+
+def write_bytes_atomic(
+    uri: str | os.PathLike[str],
+    data: bytes | bytearray | memoryview,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``data`` to ``uri`` so that readers see the old content or all of the new.
+
+    Parent directories are created. Local: temp file + fsync + ``os.replace`` + directory
+    fsync; a failed write leaves no temp file behind. S3: one PUT.
+    """
+    fs, path = resolve(uri, storage_options)
+    if fs is _LOCAL:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = local_temp_path(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            commit_local(tmp, path)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        return
+    fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data)
+    _invalidate(fs, path)
+
+
+def write_text_atomic(
+    uri: str | os.PathLike[str],
+    text: str,
+    storage_options: Mapping[str, Any] | None = None,
+    encoding: str = "utf-8",
+) -> None:
+    """:func:`write_bytes_atomic` for text."""
+    write_bytes_atomic(uri, text.encode(encoding), storage_options)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove(
+    uri: str | os.PathLike[str],
+    recursive: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    missing_ok: bool = True,
+) -> None:
+    """Delete a file, or a directory/prefix with ``recursive=True``. Idempotent by default."""
+    fs, path = resolve(uri, storage_options)
+    _invalidate(fs, path)
+    if fs is _LOCAL:
+        if os.path.isdir(path) and not os.path.islink(path):
+            if not recursive:
+                raise IsADirectoryError(f"{uri} is a directory; pass recursive=True")
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        elif not missing_ok:
+            raise FileNotFoundError(f"nothing to remove at {uri}")
+        return
+    if not fs.exists(path):
+        if not missing_ok:
+            raise FileNotFoundError(f"nothing to remove at {uri}")
+        return
+    if fs.isdir(path) and not recursive:
+        raise IsADirectoryError(f"{uri} is a directory (prefix); pass recursive=True")
+    fs.rm(path, recursive=recursive)
+    _invalidate(fs, path)
+
+
+# --------------------------------------------------------------------------- directories
+def upload_dir(
+    local_dir: str | os.PathLike[str],
+    uri: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Copy every file below ``local_dir`` to ``uri`` (same relative paths); returns them.
+
+    Each file lands atomically, but the directory as a whole does not: writers that need a
+    commit write a marker file (e.g. a manifest) last, after this returns.
+    """
+    src = os.path.abspath(os.fspath(local_dir))
+    if not os.path.isdir(src):
+        raise NotADirectoryError(f"upload_dir: {src} is not a directory")
+    rels = []
+    for root, _dirs, files in os.walk(src):
+        for name in files:
+            rels.append(os.path.relpath(os.path.join(root, name), src).replace(os.sep, "/"))
+    rels.sort()
+    fs, path = resolve(uri, storage_options)
+    if fs is _LOCAL:
+        for rel in rels:
+            dst = os.path.join(path, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            tmp = local_temp_path(dst)
+            try:
+                shutil.copyfile(os.path.join(src, rel), tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                commit_local(tmp, dst, fsync_dir=False)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
+        for d in {os.path.dirname(os.path.join(path, r)) for r in rels}:
+            _fsync_dir(d)
+        return rels
+    if rels:
+        fs.put([os.path.join(src, r) for r in rels], [f"{path}/{r}" for r in rels])
+    _invalidate(fs, path)
+    return rels
+
+
+def download_dir(
+    uri: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Copy every file below ``uri`` into ``local_dir`` (created); returns the relative paths.
+
+    Files are fetched into a temp directory next to ``local_dir`` and then renamed into
+    place, so an interrupted download never leaves a partial file under its final name.
+    """
+    rels = walk_files(uri, storage_options)
+    if not rels:
+        if not exists(uri, storage_options):
+            raise FileNotFoundError(f"download_dir: nothing at {uri}")
+    dst = os.path.abspath(os.fspath(local_dir))
+    os.makedirs(dst, exist_ok=True)
+    fs, path = resolve(uri, storage_options)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}{TMP_MARKER}", dir=os.path.dirname(dst))
+    try:
+        if rels:
+            lpaths = [os.path.join(staging, r) for r in rels]
+            for lp in lpaths:
+                os.makedirs(os.path.dirname(lp), exist_ok=True)
+            fs.get([f"{path}/{r}" for r in rels], lpaths)
+        for rel in rels:
+            final = os.path.join(dst, rel)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(os.path.join(staging, rel), final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return rels

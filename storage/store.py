@@ -1,0 +1,380 @@
+"""Save and load ``BatchedDataDict``s as committed Arrow IPC datasets.
+
+A dataset at ``uri`` (local path, ``file://`` or ``s3://``) is a directory of shard files
+``part-00000.arrow`` ... (contiguous row ranges, in order) plus ``_manifest.json``, written
+last: the manifest is the commit. Readers need the manifest and check every shard against it.
+
+Write protocol (``save_batch``): validate and encode the whole batch first (bad input raises
+before anything is touched); if the URI is committed, refuse unless ``overwrite=True``, and
+then delete the old manifest first (uncommit), so a crash anywhere later leaves nothing that
+loads; remove stale shard and temp files of earlier attempts; write each shard atomically
+(local: temp file + fsync + rename; S3: one object); write the manifest atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+import pyarrow as pa
+import torch
+
+from storage import fs as sfs
+from storage.checksum import combine, default_algorithm
+from storage.codec import decode_column, encode_columns
+from storage.errors import (
+    AlreadyCommittedError,
+    CorruptDatasetError,
+    MissingShardError,
+    NotCommittedError,
+)
+from storage.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo, shard_name
+from storage.shard_io import VerifyMode, check_shard, open_local_shard, read_table, serialize, write_local
+from storage.tensor_codec import BufferBase
+
+__all__ = [
+    "delete_batch",
+    "is_committed",
+    "list_batches",
+    "load_batch",
+    "read_manifest",
+    "save_batch",
+    "shard_ranges",
+]
+
+Verify = Union[bool, Literal["full", "size", "none"]]
+_SHARD_RE = re.compile(r"^part-\d{5,}\.arrow$")
+_S3_PUT_GROUP_BYTES = 256 << 20  # shards buffered in memory per concurrent S3 upload round
+
+
+def shard_ranges(rows: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` row ranges; the first ``rows % num_shards`` get one more.
+
+    >>> shard_ranges(5, 3)
+    [(0, 2), (2, 4), (4, 5)]
+    >>> shard_ranges(1, 3)
+    [(0, 1), (1, 1), (1, 1)]
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    base, extra = divmod(rows, num_shards)
+    out, start = [], 0
+    for i in range(num_shards):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in meta.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"meta {key!r}={value!r} is not JSON-serializable: {exc}") from None
+    return dict(meta)
+
+
+def _remove_stale(fs: Any, path: str, keep: Sequence[str] = ()) -> None:
+    """Delete shard and temp files of earlier attempts in a dataset directory."""
+    sfs._invalidate(fs, path)
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    stale = []
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name in keep:
+            continue
+        if _SHARD_RE.match(name) or (sfs.is_temp_name(name) and name.startswith((".part-", "._manifest"))):
+            stale.append(entry)
+    if stale:
+        fs.rm(stale)
+        sfs._invalidate(fs, path)
+
+
+# --------------------------------------------------------------------------- save
+def save_batch(
+    batch: Mapping[str, Any],
+    uri: str | os.PathLike[str],
+    num_shards: int = 1,
+    *,
+    overwrite: bool = False,
+    storage_options: Optional[Mapping[str, Any]] = None,
+    **meta: Any,
+) -> Manifest:
+    """Write ``batch`` as ``num_shards`` Arrow IPC files plus ``_manifest.json`` (the commit).
+
+    ``batch``: a ``BatchedDataDict`` (or any mapping of column -> tensor/list). Columns keep
+    their order. ``meta`` (JSON values: ``run_id``, ``step``, ``stage``, ``weights_version``...)
+    goes into the manifest. Raises ``AlreadyCommittedError`` (a ``FileExistsError``) if ``uri``
+    is committed and ``overwrite`` is false; ``ValueError``/``TypeError`` naming the column for
+    bad input, before anything is written or deleted.
+    """
+    uri = os.fspath(uri)
+    ranges = shard_ranges(0, num_shards)  # validates num_shards early
+    meta = _check_meta(meta)
+    rows, columns, schema = encode_columns(batch)
+    ranges = shard_ranges(rows, num_shards)
+    fs, path = sfs.resolve(uri, storage_options)
+    local = sfs.is_local(uri)
+    manifest_path = f"{path}/{MANIFEST_NAME}"
+
+    sfs._invalidate(fs, path)
+    if fs.exists(manifest_path):
+        if not overwrite:
+            raise AlreadyCommittedError(
+                f"{uri} is already a committed dataset; pass overwrite=True to replace it"
+            )
+        fs.rm(manifest_path)  # uncommit first: from here on a crash leaves nothing loadable
+        sfs._invalidate(fs, path)
+    _remove_stale(fs, path)
+    if local:
+        os.makedirs(path, exist_ok=True)
+
+    algorithm = default_algorithm()
+    shards: list[ShardInfo] = []
+    pending: dict[str, bytes] = {}
+    pending_bytes = 0
+    for index, (start, stop) in enumerate(ranges):
+        table = pa.Table.from_arrays([c.rows(start, stop) for c in columns], schema=schema)
+        name = shard_name(index)
+        if local:
+            size, checksum = write_local(f"{path}/{name}", schema, table, algorithm)
+        else:
+            buf, checksum = serialize(schema, table, algorithm)
+            size = buf.size
+            pending[f"{path}/{name}"] = buf.to_pybytes()
+            pending_bytes += size
+            if pending_bytes >= _S3_PUT_GROUP_BYTES:
+                fs.pipe(pending)
+                pending, pending_bytes = {}, 0
+        shards.append(ShardInfo(name=name, start=start, rows=stop - start, bytes=size, checksum=checksum))
+    if pending:
+        fs.pipe(pending)
+    if local:
+        sfs._fsync_dir(path)
+
+    manifest = Manifest(
+        uri=uri,
+        rows=rows,
+        num_shards=num_shards,
+        shards=shards,
+        columns=[c.spec for c in columns],
+        meta=meta,
+        checksum_algorithm=algorithm,
+        checksum=combine(s.checksum for s in shards),
+    )
+    sfs.write_text_atomic(
+        sfs.join(uri, MANIFEST_NAME), manifest.model_dump_json(indent=1), storage_options
+    )
+    return manifest
+
+
+# --------------------------------------------------------------------------- manifests
+def _parse_manifest(raw: bytes, where: str, uri: str) -> Manifest:
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValueError as exc:
+        raise CorruptDatasetError(f"manifest {where} is invalid: {exc}") from None
+    if manifest.format_version > FORMAT_VERSION:
+        raise CorruptDatasetError(
+            f"manifest {where} has format version {manifest.format_version}; this reader knows "
+            f"up to {FORMAT_VERSION}"
+        )
+    expected = 0
+    for info in manifest.shards:
+        if not _SHARD_RE.match(info.name) or info.start != expected:
+            raise CorruptDatasetError(f"manifest {where}: bad shard entry {info.name!r}")
+        expected += info.rows
+    if len(manifest.shards) != manifest.num_shards or expected != manifest.rows:
+        raise CorruptDatasetError(
+            f"manifest {where}: {len(manifest.shards)} shards with {expected} rows, header says "
+            f"{manifest.num_shards} shards with {manifest.rows} rows"
+        )
+    return manifest.model_copy(update={"uri": uri})
+
+
+def read_manifest(
+    uri: str | os.PathLike[str], storage_options: Optional[Mapping[str, Any]] = None
+) -> Manifest:
+    """The manifest of a committed dataset (its ``uri`` set to the ``uri`` given here).
+
+    Raises ``NotCommittedError`` (a ``FileNotFoundError``) naming ``uri`` when there is none.
+    """
+    uri = os.fspath(uri)
+    target = sfs.join(uri, MANIFEST_NAME)
+    try:
+        raw = sfs.read_bytes(target, storage_options)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NotCommittedError(f"{uri} is not committed: no {MANIFEST_NAME}") from None
+    return _parse_manifest(raw, target, uri)
+
+
+def is_committed(
+    uri: str | os.PathLike[str], storage_options: Optional[Mapping[str, Any]] = None
+) -> bool:
+    """Whether ``uri`` holds a manifest (the shards are checked by ``load_batch``)."""
+    return sfs.exists(sfs.join(os.fspath(uri), MANIFEST_NAME), storage_options)
+
+
+def list_batches(
+    prefix: str | os.PathLike[str], storage_options: Optional[Mapping[str, Any]] = None
+) -> list[Manifest]:
+    """Manifests of every committed dataset at or below ``prefix``, sorted by URI.
+
+    Each manifest's ``uri`` is ``prefix`` joined with the dataset's relative path.
+    Uncommitted directories (no manifest) are not listed.
+    """
+    prefix = os.fspath(prefix)
+    found = []
+    for rel in sfs.walk_files(prefix, storage_options):
+        parts = rel.split("/")
+        if parts[-1] == MANIFEST_NAME:
+            found.append("/".join(parts[:-1]))
+    fs, path = sfs.resolve(prefix, storage_options)
+    uris = sorted({sfs.join(prefix, rel) for rel in found})
+    if not uris:
+        return []
+    rels = {u: u[len(prefix.rstrip("/")) :].strip("/") for u in uris}
+    paths = {u: "/".join(p for p in (path, rels[u], MANIFEST_NAME) if p) for u in uris}
+    raws = fs.cat(list(paths.values()), on_error="return")
+    out = []
+    for u in uris:
+        raw = raws.get(paths[u])
+        if isinstance(raw, (FileNotFoundError, NotADirectoryError)):
+            continue  # deleted meanwhile
+        if isinstance(raw, BaseException):
+            raise raw
+        out.append(_parse_manifest(raw, paths[u], u))
+    return out
+
+
+def delete_batch(
+    uri: str | os.PathLike[str], storage_options: Optional[Mapping[str, Any]] = None
+) -> None:
+    """Uncommit (manifest first) and delete a dataset's files; idempotent.
+
+    Only the manifest, shard files and temp files of this store are removed; the directory
+    goes too when that leaves it empty (local).
+    """
+    uri = os.fspath(uri)
+    fs, path = sfs.resolve(uri, storage_options)
+    sfs._invalidate(fs, path)
+    manifest_path = f"{path}/{MANIFEST_NAME}"
+    if fs.exists(manifest_path):
+        fs.rm(manifest_path)
+    _remove_stale(fs, path)
+    if sfs.is_local(uri):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # missing or not empty
+
+
+# --------------------------------------------------------------------------- load
+def _verify_mode(verify: Verify) -> VerifyMode:
+    if verify is True or verify == "full":
+        return "full"
+    if verify is False or verify == "none":
+        return "none"
+    if verify == "size":
+        return "size"
+    raise ValueError(f"verify must be True, False, 'full', 'size' or 'none', got {verify!r}")
+
+
+def _fetch_remote(fs: Any, paths: list[str]) -> list[bytearray]:
+    raws = fs.cat(paths, on_error="return")
+    out = []
+    for p in paths:
+        raw = raws.get(p)
+        if raw is None or isinstance(raw, FileNotFoundError):
+            raise MissingShardError(f"shard {p} is missing (named by the manifest)")
+        if isinstance(raw, BaseException):
+            raise raw
+        out.append(bytearray(raw))
+    return out
+
+
+def load_batch(
+    uri: str | os.PathLike[str],
+    shard: Optional[int] = None,
+    *,
+    storage_options: Optional[Mapping[str, Any]] = None,
+    verify: Verify = True,
+    mmap: bool = True,
+    copy: bool = False,
+    columns: Optional[Sequence[str]] = None,
+) -> Any:
+    """Load a committed dataset as a ``BatchedDataDict``: all rows in order, or shard ``shard``.
+
+    ``verify``: ``True``/``"full"`` (default) checks every shard's size and checksum
+    (xxh3 runs at ~5 GB/s, so this stays near memory speed); ``"size"`` checks existence and
+    sizes only; ``False``/``"none"`` trusts the manifest. A missing manifest raises
+    ``NotCommittedError``; a missing shard ``MissingShardError``; a wrong size, checksum,
+    row count or schema ``CorruptDatasetError``; each names the file.
+
+    Memory: local shards are memory-mapped copy-on-write (``mmap=True``), and tensors are
+    zero-copy views of the mapping (one shard; several shards are concatenated, one copy).
+    Such tensors are writable; in-place writes stay private to this process and never reach
+    the file. ``mmap=False`` reads files into memory; remote (S3) shards are always read
+    into memory. ``copy=True`` clones tensors so nothing refers to the mapping. Tensors come
+    back on CPU. ``columns`` loads a subset of columns, in the given order.
+    """
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+
+    uri = os.fspath(uri)
+    mode = _verify_mode(verify)
+    manifest = read_manifest(uri, storage_options)
+    if shard is None:
+        infos = list(manifest.shards)
+    else:
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < manifest.num_shards:
+            raise ValueError(f"shard must be an int in [0, {manifest.num_shards}) for {uri}, got {shard!r}")
+        infos = [manifest.shards[shard]]
+    specs = list(manifest.columns)
+    if columns is not None:
+        by_name = {c.name: c for c in specs}
+        missing = [c for c in columns if c not in by_name]
+        if missing:
+            raise ValueError(f"columns {missing} are not in {uri}; it has {list(by_name)}")
+        specs = [by_name[c] for c in columns]
+
+    fs, path = sfs.resolve(uri, storage_options)
+    paths = [f"{path}/{info.name}" for info in infos]
+    if sfs.is_local(uri):
+        blobs = [
+            open_local_shard(p, info, mode, manifest.checksum_algorithm, mmap)
+            for p, info in zip(paths, infos)
+        ]
+    else:
+        blobs = _fetch_remote(fs, paths)
+        for blob, p, info in zip(blobs, paths, infos):
+            check_shard(blob, info, p, mode, manifest.checksum_algorithm)
+
+    parts: dict[str, list[Any]] = {spec.name: [] for spec in specs}
+    for blob, p, info in zip(blobs, paths, infos):
+        table = read_table(blob, p, info.rows)
+        names = table.schema.names
+        if names != manifest.column_names:
+            raise CorruptDatasetError(f"shard {p} has columns {names}, manifest says {manifest.column_names}")
+        base = BufferBase.of(blob)
+        for spec in specs:
+            chunks = table.column(spec.name).chunks
+            parts[spec.name].append(decode_column(spec, chunks, base))
+
+    out: dict[str, Any] = {}
+    for spec in specs:
+        pieces = parts[spec.name]
+        if spec.kind == "tensor":
+            value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            out[spec.name] = value.clone() if copy and len(pieces) == 1 else value
+        else:
+            merged = [item for piece in pieces for item in piece]
+            if copy and spec.kind == "tensor_list":
+                merged = [None if t is None else t.clone() for t in merged]
+            out[spec.name] = merged
+    return BatchedDataDict(out)
