@@ -1,0 +1,147 @@
+"""Prefect artifacts of a run: metrics table, progress, best/worst rollouts, eval comparison.
+
+Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
+publication is a new version of the same keyed artifact in the UI (the latest shows all rows).
+Artifacts are best effort: a failure to publish is logged, never fatal to training.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "artifact_key",
+    "publish_eval_table",
+    "publish_metrics_table",
+    "publish_progress",
+    "publish_rollouts",
+    "rollouts_markdown",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def artifact_key(run_id: str, kind: str) -> str:
+    """``"nrl-<run>-<kind>"`` with only ``[a-z0-9-]``.
+
+    >>> artifact_key("Grpo_Tiny.1", "metrics")
+    'nrl-grpo-tiny-1-metrics'
+    """
+    slug = re.sub(r"[^a-z0-9-]+", "-", f"nrl-{run_id}-{kind}".lower()).strip("-")
+    return re.sub(r"-{2,}", "-", slug)
+
+
+def _in_run_context() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def _round(v: Any) -> Any:
+    return round(v, 5) if isinstance(v, float) else v
+
+
+def publish_metrics_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Table artifact with one row per step (all ``metrics.jsonl`` lines)."""
+    if not _in_run_context():
+        return
+    from prefect.artifacts import create_table_artifact
+
+    try:
+        table = [{k: _round(v) for k, v in r.items()} for r in rows]
+        create_table_artifact(table=table, key=artifact_key(run_id, "metrics"), description=f"GRPO metrics of run {run_id}")
+    except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
+        logger.warning("metrics artifact not published: %s", exc)
+
+
+class ProgressHandle:
+    """A progress artifact created once and updated per step."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.artifact_id: Any = None
+
+    def update(self, done: int, total: int) -> None:
+        if not _in_run_context():
+            return
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        pct = 100.0 * done / max(total, 1)
+        try:
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(
+                    progress=pct, key=artifact_key(self.run_id, "progress"), description=f"steps done of run {self.run_id}"
+                )
+            else:
+                update_progress_artifact(artifact_id=self.artifact_id, progress=pct)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("progress artifact not published: %s", exc)
+
+
+def publish_progress(handle: ProgressHandle, done: int, total: int) -> None:
+    handle.update(done, total)
+
+
+def _cell(text: Any, limit: int = 160) -> str:
+    s = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", "⏎")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def rollouts_markdown(
+    run_id: str,
+    step: int,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    rewards: Sequence[float],
+    n: int = 4,
+) -> str:
+    """Markdown with the ``n`` best and ``n`` worst rollouts of a step by reward.
+
+    >>> md = rollouts_markdown("r", 1, ["p1", "p2"], ["a", "b"], ["x", "y"], [1.0, 0.0], n=1)
+    >>> "Best" in md and "Worst" in md and "| 1.000 |" in md
+    True
+    """
+    order = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
+    best, worst = order[:n], list(reversed(order))[:n]
+    mean = sum(rewards) / max(len(rewards), 1)
+
+    def table(idx: list[int]) -> str:
+        lines = ["| reward | prompt | response | answer |", "|---:|---|---|---|"]
+        lines += [f"| {rewards[i]:.3f} | {_cell(prompts[i])} | {_cell(responses[i])} | {_cell(answers[i], 40)} |" for i in idx]
+        return "\n".join(lines)
+
+    return (
+        f"# Rollouts of run `{run_id}`, step {step}\n\n"
+        f"{len(rewards)} rollouts, mean reward {mean:.3f}.\n\n"
+        f"## Best {len(best)}\n\n{table(best)}\n\n## Worst {len(worst)}\n\n{table(worst)}\n"
+    )
+
+
+def publish_rollouts(run_id: str, markdown: str) -> None:
+    if not _in_run_context():
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(markdown=markdown, key=artifact_key(run_id, "rollouts"), description="best/worst rollouts")
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("rollouts artifact not published: %s", exc)
+
+
+def publish_eval_table(key_name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Table artifact comparing checkpoints (one row per evaluated checkpoint)."""
+    if not _in_run_context():
+        return
+    from prefect.artifacts import create_table_artifact
+
+    try:
+        create_table_artifact(
+            table=[{k: _round(v) for k, v in r.items()} for r in rows],
+            key=artifact_key(key_name, "evals"),
+            description=f"checkpoint evaluations of {key_name}",
+        )
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("eval artifact not published: %s", exc)

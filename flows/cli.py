@@ -1,0 +1,208 @@
+"""``nrl``: the command line of nrl-flows.
+
+::
+
+    nrl grpo --config configs/grpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
+    nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [key=value ...]
+    nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K]
+    nrl runs [--storage URI]
+
+Defaults: storage ``./runs``; no ``PREFECT_API_URL`` -> Prefect's ephemeral API; no Ray
+address (``cluster.ray.address`` or ``RAY_ADDRESS``) -> a local Ray. The config and the storage
+URI are validated before anything starts: a bad one prints one clear error and exits with
+status 2 without starting Ray or a flow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["build_parser", "main"]
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def _quiet_env() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nrl", description="GRPO post-training as resumable Prefect flows on Ray actors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("grpo", help="start a GRPO run")
+    g.add_argument("--config", required=True, help="YAML config (e.g. configs/grpo_tiny.yaml)")
+    g.add_argument("--storage", default=None, help="storage root: local path, file:// or s3:// (default: config's, ./runs)")
+    g.add_argument("--run-id", default=None, help="run id (default: grpo-<date>-<time>-<hex>)")
+    g.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    r = sub.add_parser("resume", help="resume a run from its persisted batches")
+    r.add_argument("run_id")
+    r.add_argument("--storage", default="./runs", help="storage root holding the run (default ./runs)")
+    r.add_argument(
+        "--recompute", action="append", default=[], metavar="STAGE@STEP",
+        help="delete and recompute one stage of one step (and what depends on it), e.g. generate@3",
+    )
+    r.add_argument("overrides", nargs="*", metavar="key=value", help="overrides (e.g. grpo.max_num_steps=20)")
+
+    e = sub.add_parser("eval", help="evaluate every checkpoint of a run (or of every run under a prefix) not yet evaluated")
+    e.add_argument("target", help="run id, or a storage prefix holding runs")
+    e.add_argument("--storage", default="./runs")
+    e.add_argument("--dataset", default=None, help="held-out prompts file (default: the run's validation split)")
+    e.add_argument("--num-samples", type=int, default=4, help="k of pass@k (0: greedy only)")
+    e.add_argument("--max-prompts", type=int, default=None)
+
+    ls = sub.add_parser("runs", help="list runs under a storage root with their last step and status")
+    ls.add_argument("--storage", default="./runs")
+    return p
+
+
+def _error(msg: str) -> int:
+    print(f"nrl: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cmd_grpo(args: argparse.Namespace) -> int:
+    from flows.config import ConfigError
+    from flows.grpo import new_run_id, resolve_config
+    from flows.run_layout import validate_run_id
+
+    try:
+        cfg = resolve_config(args.config, args.overrides, args.storage)
+        run_id = validate_run_id(args.run_id) if args.run_id else new_run_id()
+        from flows.run_layout import RunLayout
+        from storage import fs
+
+        layout = RunLayout(cfg.storage.root, run_id)
+        if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
+            raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"nrl: run {run_id} -> {layout.run_uri}", flush=True)
+    from flows.grpo import grpo
+
+    return _run_flow(lambda: grpo(config=args.config, run_id=run_id, overrides=args.overrides, storage=cfg.storage.root), layout)
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from flows.grpo import resolve_config
+    from flows.run_layout import RunLayout, validate_run_id
+    from flows.run_state import check_config_hash, parse_recompute
+
+    try:
+        run_id = validate_run_id(args.run_id)
+        cfg = resolve_config(None, args.overrides, args.storage, run_id=run_id)
+        parse_recompute(args.recompute)
+        layout = RunLayout(cfg.storage.root, run_id)
+        check_config_hash(layout, cfg)
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"nrl: resuming run {run_id} at {layout.run_uri}", flush=True)
+    from flows.grpo import grpo
+
+    return _run_flow(
+        lambda: grpo(
+            config=None, run_id=run_id, resume=True, overrides=args.overrides, storage=cfg.storage.root,
+            recompute=args.recompute or None,
+        ),
+        layout,
+    )
+
+
+def _run_flow(call, layout) -> int:
+    t0 = time.perf_counter()
+    try:
+        result = call()
+    except KeyboardInterrupt:
+        print(f"nrl: interrupted; resume with `nrl resume {layout.run_id} --storage {layout.root}`", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - report, do not dump a Prefect traceback twice
+        print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`", file=sys.stderr)
+        return EXIT_FAILED
+    print_summary(result, time.perf_counter() - t0)
+    return 0
+
+
+def print_summary(result: dict, seconds: float) -> None:
+    fm = result.get("final_metrics") or {}
+    print(f"nrl: run {result['run_id']} finished {result['last_step']} steps in {seconds:.0f} s", flush=True)
+    if fm:
+        print(f"nrl:   last step reward_mean {fm.get('reward_mean')}  loss {fm.get('loss')}")
+    print(f"nrl:   metrics      {result['metrics_uri']}")
+    print(f"nrl:   steps        {result['run_uri']}/steps/")
+    for c in result.get("checkpoints", [])[-3:]:
+        print(f"nrl:   checkpoint   {c}")
+    print("nrl:   artifacts    Prefect UI (table/progress/markdown artifacts keyed "
+          f"nrl-{result['run_id'].lower()}-*; `prefect artifact ls`)")
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from flows.run_state import check_storage_root
+
+    try:
+        if "/" in args.target or "://" in args.target:
+            check_storage_root(args.target)
+        else:
+            from flows.evaluate import load_run_config
+            from flows.run_layout import validate_run_id
+
+            load_run_config(validate_run_id(args.target), check_storage_root(args.storage))
+    except ValueError as exc:
+        return _error(str(exc))
+    from flows.evaluate import eval_sweep
+
+    try:
+        res = eval_sweep(
+            args.target, storage=args.storage, dataset=args.dataset, num_samples=args.num_samples, max_prompts=args.max_prompts
+        )
+    except Exception as exc:  # noqa: BLE001
+        print(f"nrl: eval failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"nrl: evaluated {len(res['evaluated'])} checkpoint(s), {len(res['skipped'])} already evaluated")
+    for row in res["rows"]:
+        print(
+            f"  {row['run_id']}/{row['checkpoint']} [{row['dataset']}]  accuracy {row['accuracy']}"
+            f"  pass@{row['k']} {row['pass_at_k']}"
+        )
+    return 0
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from flows.run_state import check_storage_root, list_runs
+
+    try:
+        root = check_storage_root(args.storage)
+    except ValueError as exc:
+        return _error(str(exc))
+    runs = list_runs(root)
+    if not runs:
+        print(f"no runs under {root}")
+        return 0
+    print(f"{'run_id':40} {'status':10} {'step':>9}  updated")
+    for r in runs:
+        upd = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_unix"])) if r.get("updated_unix") else "-"
+        steps = f"{r['last_step']}/{r['max_steps'] or '?'}"
+        print(f"{r['run_id']:40} {r['status']:10} {steps:>9}  {upd}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_env()
+    args = build_parser().parse_args(argv)
+    handler = {"grpo": _cmd_grpo, "resume": _cmd_resume, "eval": _cmd_eval, "runs": _cmd_runs}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Evaluation flows: one checkpoint, or a sweep over every checkpoint not yet evaluated.
+
+``evaluate_checkpoint(run_id, checkpoint, dataset)`` answers a held-out prompt set (the run's
+validation split by default, or a JSONL/Parquet/Arrow file) with the checkpoint's weights,
+greedily (``accuracy``) and with ``num_samples`` samples (``pass_at_k``), and persists the
+samples as Arrow under ``<run>/evals/<checkpoint>/<dataset-key>/``.
+
+``eval_sweep(target)`` does that for every committed checkpoint of a run (``target`` = run id)
+or of every run under a storage prefix (``target`` containing ``/`` or ``://``) that has no
+evaluation yet, and publishes a table artifact comparing all evaluated checkpoints. Run twice,
+the second run evaluates nothing new. The ``eval-sweep`` deployment runs it on a cron schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.artifacts import publish_eval_table
+from flows.config import MasterConfig, load_config
+from flows.run_layout import RunLayout, join_uri
+from flows.run_state import check_storage_root, list_runs, saved_config_data
+
+__all__ = ["eval_sweep", "evaluate_checkpoint", "load_run_config"]
+
+
+def load_run_config(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> MasterConfig:
+    """The saved config of a run, with the storage section replaced by the current one."""
+    return load_config(saved_config_data(run_id, root, storage_options))
+
+
+def _records(cfg: MasterConfig, run_id: str, dataset: str | None, max_prompts: int | None) -> list[dict[str, str]]:
+    from nrl_tasks.stages.data import load_prompt_file
+
+    if dataset:
+        recs = load_prompt_file(
+            dataset, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+            storage_options=cfg.storage.storage_options or None,
+        )
+    else:
+        import storage
+
+        uri = join_uri(RunLayout(cfg.storage.root, run_id).run_uri, "data", "val")
+        kw = {"storage_options": cfg.storage.storage_options} if cfg.storage.storage_options else {}
+        if storage.is_committed(uri, **kw):
+            b = storage.load_batch(uri, **kw)
+            recs = [{"prompt": p, "answer": a} for p, a in zip(b["prompt"], b["answer"])]
+        else:
+            from nrl_tasks.stages.data import load_prompt_records
+
+            recs = load_prompt_records(cfg.data, "val", cfg.grpo.seed, cfg.storage.storage_options or None)
+    limit = max_prompts or cfg.grpo.max_val_samples
+    return recs[:limit]
+
+
+@flow(name="evaluate-checkpoint", flow_run_name="eval-{run_id}-{checkpoint}", validate_parameters=False, persist_result=False)
+def evaluate_checkpoint(
+    run_id: str,
+    checkpoint: str,
+    dataset: str | None = None,
+    storage: str | None = None,
+    num_samples: int = 4,
+    max_prompts: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate checkpoint ``checkpoint`` (e.g. ``step_000004``) of ``run_id``; returns its summary."""
+    from nrl_tasks.stages.evaluate import evaluate
+
+    root = check_storage_root(storage or "./runs")
+    cfg = load_run_config(run_id, root)
+    recs = _records(cfg, run_id, dataset, max_prompts)
+    return evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
+
+
+def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per committed evaluation of a run (from the manifests)."""
+    import storage
+    from storage import fs
+
+    from nrl_tasks.stages.common import manifest_dict
+
+    layout = RunLayout(root, run_id)
+    rows = []
+    if not fs.exists(layout.evals_uri, storage_options=storage_options):
+        return rows
+    for ck in sorted(fs.list_dir(layout.evals_uri, storage_options=storage_options)):
+        ck_name = ck.rstrip("/").rsplit("/", 1)[-1]
+        for ds in sorted(fs.list_dir(layout.eval_uri(ck_name), storage_options=storage_options)):
+            uri = join_uri(layout.eval_uri(ck_name), ds.rstrip("/").rsplit("/", 1)[-1])
+            kw = {"storage_options": storage_options} if storage_options else {}
+            if not storage.is_committed(uri, **kw):
+                continue
+            m = manifest_dict(storage.read_manifest(uri, **kw), uri)
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "checkpoint": ck_name,
+                    "dataset": m.get("dataset"),
+                    "accuracy": m.get("eval_accuracy"),
+                    "pass_at_k": m.get("eval_pass_at_k"),
+                    "k": m.get("eval_k"),
+                    "sample_reward_mean": m.get("eval_sample_reward_mean"),
+                    "num_prompts": m.get("eval_num_prompts"),
+                    "seconds": m.get("seconds"),
+                }
+            )
+    return rows
+
+
+@flow(name="eval-sweep", validate_parameters=False, persist_result=False)
+def eval_sweep(
+    target: str,
+    storage: str | None = None,
+    dataset: str | None = None,
+    num_samples: int = 4,
+    max_prompts: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate every committed checkpoint without an evaluation, for one run or every run under a prefix.
+
+    ``target``: a run id (looked up under ``storage``, default ``./runs``) or a storage prefix
+    holding runs. Returns ``{"evaluated": [...], "skipped": [...], "rows": [...]}``.
+    """
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.evaluate import _eval_key, evaluate
+
+    logger = get_run_logger()
+    if "/" in target or "://" in target:
+        root = check_storage_root(target)
+        run_ids = [r["run_id"] for r in list_runs(root)]
+        label = os.path.basename(root.rstrip("/")) or "runs"
+    else:
+        root = check_storage_root(storage or "./runs")
+        run_ids = [target]
+        label = target
+    evaluated, skipped, rows = [], [], []
+    for run_id in run_ids:
+        cfg = load_run_config(run_id, root)
+        layout = RunLayout(root, run_id)
+        recs = None
+        for step, ck_uri in list_checkpoints(layout.checkpoints_uri):
+            name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
+            import storage as _st
+
+            if _st.is_committed(join_uri(layout.eval_uri(name), _eval_key(dataset))):
+                skipped.append(f"{run_id}/{name}")
+                continue
+            recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
+            res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
+            evaluated.append(f"{run_id}/{name}")
+            logger.info("evaluated %s/%s: accuracy %s pass@k %s", run_id, name, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+        rows.extend(_eval_rows(root, run_id, None))
+    if rows:
+        publish_eval_table(label, rows)
+    logger.info("eval sweep: %d evaluated, %d already evaluated", len(evaluated), len(skipped))
+    return {"evaluated": evaluated, "skipped": skipped, "rows": rows}

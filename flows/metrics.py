@@ -1,0 +1,141 @@
+"""``metrics.jsonl``: exactly one JSON line per step, keyed by step.
+
+Each step's line is assembled from the committed stage manifests of that step (so a resumed
+run can write the line of a step trained before the crash) plus the refit/validation/checkpoint
+results of the flow, and the whole file is rewritten atomically with the line replaced: a
+resume never duplicates a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping
+
+__all__ = ["build_step_metrics", "format_console_line", "read_metrics", "upsert_metrics"]
+
+#: stage name in the line ("<name>_s") -> dataset stage whose manifest holds ``seconds``
+STAGE_SECONDS = {
+    "prompts": "prompts",
+    "generate": "rollouts",
+    "score": "rewards",
+    "logprob": "logprobs",
+    "advantages": "advantages",
+    "train": "train",
+}
+
+
+def _fs():
+    from storage import fs
+
+    return fs
+
+
+def read_metrics(uri: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl`` sorted by step (empty list when the file does not exist)."""
+    fs = _fs()
+    if not fs.exists(uri, storage_options=storage_options):
+        return []
+    rows = {}
+    for line in fs.read_text(uri, storage_options=storage_options).splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def upsert_metrics(uri: str, row: Mapping[str, Any], storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Insert or replace the line of ``row["step"]``; rewrite the file atomically; return all rows."""
+    rows = {int(r["step"]): r for r in read_metrics(uri, storage_options)}
+    rows[int(row["step"])] = {k: _clean(v) for k, v in row.items()}
+    ordered = [rows[k] for k in sorted(rows)]
+    text = "".join(json.dumps(r, sort_keys=False) + "\n" for r in ordered)
+    _fs().write_text_atomic(uri, text, storage_options=storage_options)
+    return ordered
+
+
+def drop_metrics_after(uri: str, step: int, storage_options: dict[str, Any] | None = None) -> None:
+    """Remove the lines of steps ``>= step`` (used by ``--recompute``)."""
+    rows = [r for r in read_metrics(uri, storage_options) if int(r["step"]) < step]
+    _fs().write_text_atomic(uri, "".join(json.dumps(r) + "\n" for r in rows), storage_options=storage_options)
+
+
+def build_step_metrics(
+    step: int,
+    manifests: Mapping[str, Mapping[str, Any] | None],
+    *,
+    refit: Mapping[str, Any] | None = None,
+    val: Mapping[str, Any] | None = None,
+    checkpoint: Mapping[str, Any] | None = None,
+    wall_seconds: float | None = None,
+    rewards: Any = None,
+) -> dict[str, Any]:
+    """The metrics line of ``step`` from its stage manifests (dicts from ``committed``/tasks).
+
+    ``rewards`` (optional ``(rewards, valid)`` tensors) adds ``reward_std`` and ``accuracy``.
+    """
+    get = lambda stage, key: (manifests.get(stage) or {}).get(key)  # noqa: E731
+    row: dict[str, Any] = {"step": step, "weights_version": step}
+    row["reward_mean"] = get("rewards", "reward_mean")
+    if rewards is not None:
+        r, ok = rewards
+        good = r[ok.bool()].float()
+        if good.numel():
+            row["reward_mean"] = float(good.mean())
+            row["reward_std"] = float(good.std()) if good.numel() > 1 else 0.0
+            row["reward_max"] = float(good.max())
+    row["invalid_rewards"] = get("rewards", "invalid_rewards")
+    row["loss"] = get("train", "loss")
+    row["grad_norm"] = get("train", "grad_norm")
+    row["groups_with_signal"] = get("advantages", "groups_with_signal")
+    row["new_tokens"] = get("rollouts", "new_tokens")
+    row["truncated_frac"] = get("rollouts", "truncated_frac")
+    row["tokens_per_s"] = get("rollouts", "tokens_per_s")
+    row["train_tokens_per_s"] = get("train", "tokens_per_s")
+    total = 0.0
+    for name, stage in STAGE_SECONDS.items():
+        s = get(stage, "seconds")
+        row[f"{name}_s"] = s
+        total += s or 0.0
+    if refit is not None:
+        row["refit_s"] = refit.get("seconds")
+        total += refit.get("seconds") or 0.0
+    if checkpoint is not None and not checkpoint.get("skipped"):
+        row["checkpoint_s"] = checkpoint.get("seconds")
+        total += checkpoint.get("seconds") or 0.0
+    if val is not None:
+        row["val_accuracy"] = val.get("val_accuracy")
+        row["val_s"] = val.get("seconds")
+    row["stages_s"] = total
+    if wall_seconds is not None:
+        row["step_s"] = wall_seconds
+    return {k: _clean(v) for k, v in row.items()}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
+    """``[run] step 3/10 reward 0.312 loss -0.012 | gen 1.2s score 0.0s lp 0.3s train 1.1s refit 0.1s | 512 tok/s``."""
+    parts = [
+        f"[{run_id}] step {row['step']}/{max_steps}",
+        f"reward {_fmt(row.get('reward_mean'), '.3f')}",
+        f"loss {_fmt(row.get('loss'), '.4f')}",
+    ]
+    if row.get("val_accuracy") is not None:
+        parts.append(f"val_acc {row['val_accuracy']:.3f}")
+    t = " ".join(
+        f"{label} {_fmt(row.get(key), '.2f')}s"
+        for label, key in (("gen", "generate_s"), ("score", "score_s"), ("lp", "logprob_s"), ("train", "train_s"), ("refit", "refit_s"))
+    )
+    tail = f"{_fmt(row.get('tokens_per_s'), '.0f')} tok/s"
+    if row.get("step_s") is not None:
+        tail += f" | step {row['step_s']:.2f}s"
+    return " ".join(parts) + " | " + t + " | " + tail

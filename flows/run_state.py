@@ -1,0 +1,272 @@
+"""A run's persistent state on storage: creation, config-hash check, status, trained steps.
+
+- ``config.yaml`` is written once when the run is created (credentials redacted, hash inside);
+  a resume with a different config hash is refused with both hashes in the message.
+- ``status.json`` (``status``: running | completed | failed, ``last_step``, ``flow_run_id``,
+  ``updated_unix``, ``error``) feeds ``nrl runs``.
+- The *trained prefix* is the longest run of steps ``1..k`` whose ``train`` output is
+  committed; ``k`` is the data cursor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, saved_config_hash
+from flows.run_layout import DATA_STAGES, RunLayout, join_uri, parse_step_dir
+
+__all__ = [
+    "RECOMPUTE_ALIASES",
+    "apply_recompute",
+    "check_storage_root",
+    "init_run",
+    "list_runs",
+    "parse_recompute",
+    "read_status",
+    "trained_prefix",
+    "write_status",
+]
+
+
+def _fs():
+    from storage import fs
+
+    return fs
+
+
+def _opts(cfg: MasterConfig) -> dict[str, Any] | None:
+    return cfg.storage.storage_options or None
+
+
+def normalize_root(root: str) -> str:
+    """Absolute local paths (actors may run with another cwd); URIs unchanged."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/") or root
+    path = root[len("file://") :] if root.startswith("file://") else root
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_storage_root(root: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Validate a storage root before anything starts; return it normalised.
+
+    Local: the directory exists or can be created, and is writable. ``s3://bucket/prefix``: the
+    bucket is reachable. Anything else: ``ValueError`` naming the URI.
+    """
+    if not isinstance(root, str) or not root.strip():
+        raise ValueError("storage root is empty")
+    scheme = root.split("://", 1)[0] if "://" in root else ""
+    if scheme not in ("", "file", "s3", "s3a"):
+        raise ValueError(f"storage root {root!r}: unsupported scheme {scheme!r} (use a local path, file:// or s3://)")
+    norm = normalize_root(root)
+    if scheme in ("s3", "s3a"):
+        bucket = norm.split("://", 1)[1].split("/", 1)[0]
+        if len(bucket) < 3:
+            raise ValueError(f"storage root {root!r}: invalid bucket name {bucket!r}")
+        try:
+            ok = _fs().exists(f"{scheme}://{bucket}", storage_options=storage_options)
+        except Exception as exc:  # noqa: BLE001 - endpoint down, credentials, ...
+            raise ValueError(f"storage root {root!r} is not reachable: {type(exc).__name__}: {exc}") from None
+        if not ok:
+            raise ValueError(f"storage root {root!r}: bucket {bucket!r} does not exist")
+        return norm
+    try:
+        os.makedirs(norm, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"storage root {root!r} cannot be created: {exc.strerror or exc}") from None
+    if not os.path.isdir(norm):
+        raise ValueError(f"storage root {root!r} is not a directory")
+    if not os.access(norm, os.W_OK | os.X_OK):
+        raise ValueError(f"storage root {root!r} is not writable")
+    return norm
+
+
+def read_status(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    fs = _fs()
+    if not fs.exists(layout.status_uri, storage_options=storage_options):
+        return None
+    try:
+        return json.loads(fs.read_text(layout.status_uri, storage_options=storage_options))
+    except (ValueError, OSError):
+        return None
+
+
+def write_status(layout: RunLayout, storage_options: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """Merge ``fields`` into ``status.json`` (atomic rewrite)."""
+    cur = read_status(layout, storage_options) or {"run_id": layout.run_id}
+    cur.update(fields, updated_unix=time.time())
+    _fs().write_text_atomic(layout.status_uri, json.dumps(cur, indent=2, sort_keys=True), storage_options=storage_options)
+    return cur
+
+
+def init_run(layout: RunLayout, cfg: MasterConfig, *, resume: bool, flow_run_id: str | None = None) -> str:
+    """Create the run (write ``config.yaml``) or check it for resume; return the config hash.
+
+    A new run whose id exists is refused unless it is the same Prefect flow run retrying
+    (``prefect flow-run retry``), which resumes.
+    """
+    fs = _fs()
+    opts = _opts(cfg)
+    h = config_hash(cfg)
+    exists = fs.exists(layout.config_uri, storage_options=opts)
+    if exists:
+        if not resume:
+            status = read_status(layout, opts) or {}
+            if not (flow_run_id and status.get("flow_run_id") == flow_run_id):
+                raise ConfigError(
+                    f"run {layout.run_id!r} already exists under {layout.root!r}: resume it "
+                    f"(nrl resume {layout.run_id}) or pick another --run-id"
+                )
+        check_config_hash(layout, cfg)
+        return h
+    if resume:
+        raise ConfigError(f"cannot resume run {layout.run_id!r}: no {layout.config_uri} (nothing to resume)")
+    fs.write_text_atomic(layout.config_uri, config_to_yaml(cfg), storage_options=opts)
+    return h
+
+
+def check_config_hash(layout: RunLayout, cfg: MasterConfig) -> str:
+    """Raise ``ConfigError`` unless ``cfg`` hashes like the run's saved ``config.yaml``."""
+    fs = _fs()
+    opts = _opts(cfg)
+    h = config_hash(cfg)
+    if not fs.exists(layout.config_uri, storage_options=opts):
+        raise ConfigError(f"cannot resume run {layout.run_id!r}: no {layout.config_uri} (nothing to resume)")
+    saved = saved_config_hash(fs.read_text(layout.config_uri, storage_options=opts))
+    if saved != h:
+        raise ConfigError(
+            f"config hash mismatch for run {layout.run_id!r}: the run was created with {saved}, "
+            f"this config hashes to {h}; resume with the run's own config.yaml "
+            "(only storage, logger, cluster.ray, grpo.max_num_steps, grpo.refit and checkpoint cadence may change)"
+        )
+    return h
+
+
+def trained_prefix(layout: RunLayout, max_step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
+    """Largest ``k`` such that the ``train`` output of every step ``1..k`` is committed."""
+    import storage
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    k = 0
+    while max_step is None or k < max_step:
+        if not storage.is_committed(layout.stage_uri(k + 1, "train"), **kw):
+            break
+        k += 1
+    return k
+
+
+#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step.
+RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = {
+    "prompts": DATA_STAGES,
+    "generate": ("rollouts", "rewards", "logprobs", "advantages", "train"),
+    "rollouts": ("rollouts", "rewards", "logprobs", "advantages", "train"),
+    "score": ("rewards", "advantages", "train"),
+    "rewards": ("rewards", "advantages", "train"),
+    "logprob": ("logprobs", "train"),
+    "logprobs": ("logprobs", "train"),
+    "advantages": ("advantages", "train"),
+    "train": ("train",),
+    "val": ("val",),
+    "validate": ("val",),
+}
+
+
+def parse_recompute(specs: list[str] | None) -> list[tuple[str, int]]:
+    """``["generate@3"]`` -> ``[("generate", 3)]``; ``ValueError`` naming a bad item."""
+    out = []
+    for spec in specs or []:
+        stage, sep, step = str(spec).partition("@")
+        if not sep or stage not in RECOMPUTE_ALIASES or not step.isdigit() or int(step) < 1:
+            raise ValueError(
+                f"--recompute {spec!r}: expected STAGE@STEP with STAGE one of {sorted(RECOMPUTE_ALIASES)} and STEP >= 1"
+            )
+        out.append((stage, int(step)))
+    return out
+
+
+def apply_recompute(layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Delete the outputs that ``specs`` invalidate (that stage and its dependants in the step).
+
+    Later steps are kept: the recomputed stage reproduces its data deterministically, and the
+    resumed flow replays their committed ``train`` stages, verifying the recorded weights
+    checksums (a mismatch is a clear error). Returns the deleted URIs.
+    """
+    import storage
+
+    from flows.metrics import drop_metrics_after
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    deleted = []
+    for stage, step in specs:
+        for ds in RECOMPUTE_ALIASES[stage]:
+            uri = layout.stage_uri(step, ds)
+            if _fs().exists(uri, storage_options=storage_options):
+                storage.delete_batch(uri, **kw)
+                deleted.append(uri)
+    if specs:
+        drop_metrics_after(layout.metrics_uri, min(s for _, s in specs), storage_options)
+    return deleted
+
+
+def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Runs under ``root``: ``[{run_id, status, last_step, max_steps, updated_unix, ...}]``."""
+    fs = _fs()
+    if not fs.exists(root, storage_options=storage_options):
+        return []
+    out = []
+    for entry in fs.list_dir(root, storage_options=storage_options):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            layout = RunLayout(root, name)
+        except ValueError:
+            continue
+        if not fs.exists(layout.config_uri, storage_options=storage_options):
+            continue
+        status = read_status(layout, storage_options) or {}
+        last = trained_prefix(layout, storage_options=storage_options)
+        out.append(
+            {
+                "run_id": name,
+                "status": status.get("status", "unknown"),
+                "last_step": last,
+                "max_steps": status.get("max_steps"),
+                "updated_unix": status.get("updated_unix"),
+                "flow_run_id": status.get("flow_run_id"),
+            }
+        )
+    return sorted(out, key=lambda r: r.get("updated_unix") or 0)
+
+
+def existing_steps(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> list[int]:
+    fs = _fs()
+    if not fs.exists(layout.steps_uri, storage_options=storage_options):
+        return []
+    steps = [parse_step_dir(e.rstrip("/").rsplit("/", 1)[-1]) for e in fs.list_dir(layout.steps_uri, storage_options=storage_options)]
+    return sorted(s for s in steps if s is not None)
+
+
+def remove_uri(uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    _fs().remove(uri, recursive=True, storage_options=storage_options)
+
+
+def saved_config_data(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The saved ``config.yaml`` of a run as a dict, storage section replaced by ``root``.
+
+    (The saved storage options are redacted; the current ones, or the AWS environment, apply.)
+    """
+    import yaml
+
+    fs = _fs()
+    layout = RunLayout(root, run_id)
+    if not fs.exists(layout.config_uri, storage_options=storage_options):
+        raise ConfigError(f"no run {run_id!r} under {root!r} (missing {layout.config_uri})")
+    data = yaml.safe_load(fs.read_text(layout.config_uri, storage_options=storage_options)) or {}
+    data.pop("config_hash", None)
+    data["storage"] = {**(data.get("storage") or {}), "root": root, "storage_options": storage_options or {}}
+    return data
+
+
+def data_uri(layout: RunLayout, split: str) -> str:
+    return join_uri(layout.run_uri, "data", split)

@@ -1,0 +1,191 @@
+"""``checkpoint`` stage and checkpoint lookup/restore.
+
+A checkpoint ``<run>/checkpoints/step_000008/`` holds the state after the ``train`` of step 8::
+
+    weights/        HF-loadable model (``*.safetensors`` + config) and its tokenizer:
+                    ``AutoModelForCausalLM.from_pretrained(".../weights")`` works
+    optimizer/      optimizer, scheduler and RNG states (safetensors + JSON; no pickle)
+    checkpoint.json step, weights_version, config_hash, data cursor - written LAST (the commit)
+
+Locally the files are written into a ``.tmp-*`` sibling that is renamed into place after
+``checkpoint.json``; on S3 they are written locally, uploaded, and ``checkpoint.json`` is
+uploaded last. A checkpoint without ``checkpoint.json`` does not exist for readers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from prefect import task
+
+from nrl_tasks.stages.common import TASK_DEFAULTS
+from nrl_tasks.stages.faults import fault_point
+
+__all__ = [
+    "COMMIT_FILE",
+    "checkpoint",
+    "is_checkpoint_committed",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "local_checkpoint_dir",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
+
+COMMIT_FILE = "checkpoint.json"
+
+
+def _fs():
+    from storage import fs
+
+    return fs
+
+
+def _is_s3(uri: str) -> bool:
+    return uri.startswith("s3://") or uri.startswith("s3a://")
+
+
+def _local(uri: str) -> str:
+    return uri[len("file://") :] if uri.startswith("file://") else uri
+
+
+def is_checkpoint_committed(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    from flows.run_layout import join_uri
+
+    return bool(_fs().exists(join_uri(uri, COMMIT_FILE), storage_options=storage_options))
+
+
+def read_checkpoint_info(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    from flows.run_layout import join_uri
+
+    return json.loads(_fs().read_text(join_uri(uri, COMMIT_FILE), storage_options=storage_options))
+
+
+def list_checkpoints(checkpoints_uri: str, storage_options: dict[str, Any] | None = None) -> list[tuple[int, str]]:
+    """``[(step, uri)]`` of the committed checkpoints under ``checkpoints_uri``, by step."""
+    from flows.run_layout import join_uri, parse_step_dir
+
+    fs = _fs()
+    if not fs.exists(checkpoints_uri, storage_options=storage_options):
+        return []
+    out = []
+    for entry in fs.list_dir(checkpoints_uri, storage_options=storage_options):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        uri = join_uri(checkpoints_uri, name)
+        if is_checkpoint_committed(uri, storage_options):
+            out.append((step, uri))
+    return sorted(out)
+
+
+def latest_checkpoint(checkpoints_uri: str, max_step: int | None = None, storage_options: dict[str, Any] | None = None) -> tuple[int, str] | None:
+    """The newest committed checkpoint at or before ``max_step``."""
+    cands = [c for c in list_checkpoints(checkpoints_uri, storage_options) if max_step is None or c[0] <= max_step]
+    return cands[-1] if cands else None
+
+
+def save_checkpoint(
+    policy: Any,
+    uri: str,
+    info: dict[str, Any],
+    *,
+    save_optimizer: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    step_for_faults: int | None = None,
+) -> dict[str, Any]:
+    """Write a committed checkpoint of ``policy`` at ``uri`` (see module docstring)."""
+    fs = _fs()
+    t0 = time.perf_counter()
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    if _is_s3(uri):
+        staging = tempfile.mkdtemp(prefix=f"nrl-ckpt-{name}-")
+    else:
+        target = os.path.abspath(_local(uri))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        staging = os.path.join(os.path.dirname(target), f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(staging)
+    try:
+        policy.save_checkpoint(
+            weights_path=os.path.join(staging, "weights"),
+            optimizer_path=os.path.join(staging, "optimizer") if save_optimizer else None,
+            tokenizer_path=os.path.join(staging, "weights"),  # weights/ is a complete HF folder
+        )
+        if step_for_faults is not None:
+            fault_point("checkpoint", step_for_faults, "during")
+        body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
+        if _is_s3(uri):
+            fs.upload_dir(staging, uri, storage_options=storage_options)
+            fs.write_text_atomic(f"{uri.rstrip('/')}/{COMMIT_FILE}", body, storage_options=storage_options)
+        else:
+            with open(os.path.join(staging, COMMIT_FILE), "w", encoding="utf-8") as fh:
+                fh.write(body)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if os.path.exists(target):  # an uncommitted leftover (no checkpoint.json)
+                shutil.rmtree(target)
+            os.rename(staging, target)
+            staging = ""
+    finally:
+        if staging and os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+    return {"uri": uri, "seconds": time.perf_counter() - t0, **info}
+
+
+def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[str, bool]:
+    """A local directory with the checkpoint's files: ``(path, is_temporary_copy)``."""
+    if _is_s3(uri):
+        tmp = tempfile.mkdtemp(prefix="nrl-ckpt-dl-")
+        _fs().download_dir(uri, tmp, storage_options=storage_options)
+        return tmp, True
+    return os.path.abspath(_local(uri)), False
+
+
+def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy."""
+    info = read_checkpoint_info(uri, storage_options)
+    path, temporary = local_checkpoint_dir(uri, storage_options)
+    try:
+        opt = os.path.join(path, "optimizer")
+        policy.load_checkpoint(os.path.join(path, "weights"), opt if os.path.isdir(opt) else None)
+        policy.set_weights_version(int(info["weights_version"]))
+    finally:
+        if temporary:
+            shutil.rmtree(path, ignore_errors=True)
+    return info
+
+
+@task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS)
+def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, Any]:
+    """Checkpoint the policy after ``train`` of ``step`` (idempotent: an existing commit is kept)."""
+    from flows.runtime import get_runtime
+
+    rt = get_runtime(cfg, run_id)
+    uri = rt.layout.checkpoint_uri(step)
+    if is_checkpoint_committed(uri, rt.storage_options):
+        return {"uri": uri, "skipped": True, **read_checkpoint_info(uri, rt.storage_options)}
+    fault_point("checkpoint", step, "before")
+    version = rt.policy.weights_version
+    if version != step:
+        raise RuntimeError(f"checkpoint of step {step}: the policy holds weights version {version}")
+    info = {
+        "run_id": run_id,
+        "step": step,
+        "weights_version": version,
+        "config_hash": config_hash,
+        "data_cursor": step,
+        "model_name": cfg.policy.model_name,
+    }
+    out = save_checkpoint(
+        rt.policy, uri, info, save_optimizer=cfg.checkpointing.save_optimizer,
+        storage_options=rt.storage_options, step_for_faults=step,
+    )
+    fault_point("checkpoint", step, "after")
+    return out

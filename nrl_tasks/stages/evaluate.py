@@ -1,0 +1,219 @@
+"""``evaluate`` stage: generation + scoring on held-out prompts (validation and checkpoint evals).
+
+For each prompt: one greedy response (``accuracy`` = mean greedy reward) and, with
+``num_samples = k > 0``, ``k`` sampled responses (per-request seeds from
+``(seed, step, "eval", i)``): ``pass@k`` = fraction of prompts with at least one sample whose
+reward is > 0 (for a 0/1 reward exactly "solved by one of k samples") and ``sample_reward_mean``.
+
+Output columns (one row per response): ``mode`` ("greedy" | "sample"), ``record_index``,
+``sample_index``, ``prompt``, ``answer``, ``response``, ``reward`` (float32), ``reward_valid``
+(bool), ``generation_length``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from prefect import task
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.faults import fault_point
+
+__all__ = ["evaluate", "evaluate_records", "summarize_eval", "validate"]
+
+
+def _prompt_batch(records: list[dict[str, str]], data_cfg: Any, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
+    from nrl_tasks.stages.data import format_prompt, tokenize_prompts
+
+    texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in records]
+    ids, lengths = tokenize_prompts(texts, tokenizer, max_length=max_prompt_tokens, overlong=data_cfg.overlong_prompts)
+    batch = BatchedDataDict(
+        {
+            "input_ids": ids,
+            "input_lengths": lengths,
+            "record_index": torch.arange(len(records), dtype=torch.int64),
+            "group_id": torch.arange(len(records), dtype=torch.int64),
+            "prompt": texts,
+            "answer": [r["answer"] for r in records],
+        }
+    )
+    return batch.repeat_interleave(repeats) if repeats > 1 else batch
+
+
+def evaluate_records(
+    generation: Any,
+    tokenizer: Any,
+    records: list[dict[str, str]],
+    *,
+    data_cfg: Any,
+    env_cfg: Any,
+    max_prompt_tokens: int,
+    seed: int,
+    step: int,
+    num_samples: int = 0,
+    weights_version: int | None = None,
+    batch_size: int = 64,
+    reward_model: Any = None,
+) -> BatchedDataDict:
+    """Greedy (and ``num_samples`` sampled) responses of ``records`` with their rewards."""
+    from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
+    from nrl_tasks.stages.score import compute_rewards
+
+    parts: list[BatchedDataDict] = []
+    for mode, repeats, greedy in (("greedy", 1, True), ("sample", num_samples, False)):
+        if repeats <= 0:
+            continue
+        pb = _prompt_batch(records, data_cfg, tokenizer, max_prompt_tokens, repeats)
+        pb["seeds"] = sample_seeds(seed, step, f"eval-{mode}", pb.size)
+        for start in range(0, pb.size, batch_size):
+            chunk = pb.slice(start, min(pb.size, start + batch_size))
+            out = generation.generate(generation_input(chunk), greedy=greedy, weights_version=weights_version)
+            roll = rollouts_from_generation(chunk, out, tokenizer)
+            rewards, valid, _ = compute_rewards(roll, env_cfg, reward_model)
+            n = roll.size
+            parts.append(
+                BatchedDataDict(
+                    {
+                        "mode": [mode] * n,
+                        "record_index": chunk["record_index"],
+                        "sample_index": (torch.arange(start, start + n) % max(repeats, 1)).to(torch.int64),
+                        "prompt": list(roll["prompt"]),
+                        "answer": list(roll["answer"]),
+                        "response": list(roll["response"]),
+                        "reward": rewards.to(torch.float32),
+                        "reward_valid": valid.to(torch.bool),
+                        "generation_length": roll["generation_lengths"],
+                    }
+                )
+            )
+    if not parts:
+        raise ValueError("nothing to evaluate: no records")
+    return BatchedDataDict.from_batches(parts)
+
+
+def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
+    """``accuracy`` (greedy), ``pass_at_k``, ``sample_reward_mean``, ``num_prompts``, ``k``."""
+    modes = list(samples["mode"])
+    reward = samples["reward"].to(torch.float32)
+    valid = samples["reward_valid"].to(torch.bool)
+    rec = samples["record_index"]
+    out: dict[str, float] = {}
+    g = torch.tensor([m == "greedy" for m in modes])
+    s = ~g
+    if bool(g.any()):
+        out["accuracy"] = float((reward[g] * valid[g]).mean())
+        out["num_prompts"] = int(g.sum())
+    if bool(s.any()):
+        solved: dict[int, bool] = {}
+        for r, v, ok in zip(rec[s].tolist(), reward[s].tolist(), valid[s].tolist()):
+            solved[r] = solved.get(r, False) or (ok and v > 0)
+        out["pass_at_k"] = sum(solved.values()) / len(solved)
+        out["k"] = int(s.sum()) // max(len(solved), 1)
+        out["sample_reward_mean"] = float((reward[s] * valid[s]).mean())
+    return out
+
+
+@task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS)
+def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
+    """Greedy evaluation on the validation prompts with the generation workers' current weights;
+    persist ``val`` under the step (``step`` 0: before training)."""
+    from flows.runtime import get_runtime
+
+    rt = get_runtime(cfg, run_id)
+    uri = rt.layout.stage_uri(step, "val")
+    if (done := committed(uri, rt.storage_options)) is not None:
+        return done
+    fault_point("validate", step, "before")
+    timer = StageTimer()
+    records = rt.val_records()[: cfg.grpo.max_val_samples]
+    samples = evaluate_records(
+        rt.generation, rt.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,
+        max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.grpo.seed, step=step, num_samples=0,
+        weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=rt.reward_model,
+    )
+    summary = summarize_eval(samples)
+    return save_output(
+        samples, uri, run_id=run_id, step=step, stage="val", weights_version=weights_version,
+        storage_options=rt.storage_options, seconds=timer.total(),
+        val_accuracy=summary.get("accuracy"), val_num_prompts=summary.get("num_prompts"),
+    )
+
+
+def _eval_key(dataset: str | None) -> str:
+    """Sub-folder of an evaluation: ``val`` (the run's held-out split) or a hash of the dataset path."""
+    if not dataset:
+        return "val"
+    import hashlib
+
+    stem = dataset.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+    slug = "".join(c if c.isalnum() or c in "-_" else "-" for c in stem)[:40] or "data"
+    return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
+
+
+@task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
+def evaluate(
+    cfg: Any,
+    run_id: str,
+    checkpoint: str,
+    records: list[dict[str, str]],
+    *,
+    dataset: str | None = None,
+    num_samples: int = 4,
+) -> dict[str, Any]:
+    """Evaluate one committed checkpoint: fresh generation workers load its weights, answer
+    ``records`` greedily and with ``num_samples`` samples, rewards are scored; the samples are
+    persisted at ``<run>/evals/<checkpoint>/<dataset-key>/`` with the summary in the manifest.
+    Idempotent: a committed evaluation is returned as is."""
+    import shutil
+
+    from flows.run_layout import RunLayout, join_uri, parse_step_dir
+    from flows.runtime import connect_ray, namespace_for
+    from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
+    from nrl_tasks.models.generation.hf_generation import HfGeneration
+    from nrl_tasks.stages.checkpoint import local_checkpoint_dir, read_checkpoint_info
+
+    opts = cfg.storage.storage_options or None
+    layout = RunLayout(cfg.storage.root, run_id)
+    uri = join_uri(layout.eval_uri(checkpoint), _eval_key(dataset))
+    if (done := committed(uri, opts)) is not None:
+        return {**done, "checkpoint": checkpoint, "skipped": True}
+    timer = StageTimer()
+    ck_uri = join_uri(layout.checkpoints_uri, checkpoint)
+    info = read_checkpoint_info(ck_uri, opts)
+    local, temporary = local_checkpoint_dir(ck_uri, opts)
+    connect_ray(cfg)
+    gen_cfg = cfg.gen.model_copy(update={"model_name": os.path.join(local, "weights")})
+    ns = namespace_for(run_id) + "-eval"
+    cluster = RayVirtualCluster(
+        [gen_cfg.num_workers], name=f"{run_id}-eval-{checkpoint}", namespace=ns,
+        num_cpus_per_bundle=gen_cfg.num_cpus_per_worker,
+    )
+    gen = None
+    try:
+        gen = HfGeneration(cluster, gen_cfg, name_prefix=f"eval-{checkpoint}", namespace=ns)
+        from transformers import AutoTokenizer
+
+        tok_dir = os.path.join(local, "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir if os.path.isdir(tok_dir) else os.path.join(local, "weights"))
+        step = parse_step_dir(checkpoint) or 0
+        samples = evaluate_records(
+            gen, tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env, max_prompt_tokens=cfg.max_prompt_tokens(),
+            seed=cfg.grpo.seed, step=step, num_samples=num_samples, weights_version=None,
+            batch_size=cfg.grpo.val_batch_size,
+        )
+    finally:
+        if gen is not None:
+            gen.shutdown()
+        cluster.shutdown()
+        if temporary:
+            shutil.rmtree(local, ignore_errors=True)
+    summary = summarize_eval(samples)
+    out = save_output(
+        samples, uri, run_id=run_id, step=step, stage="eval", weights_version=info.get("weights_version"),
+        storage_options=opts, seconds=timer.total(), checkpoint=checkpoint, dataset=dataset or "val",
+        **{f"eval_{k}": v for k, v in summary.items()},
+    )
+    return {**out, "checkpoint": checkpoint, "skipped": False}

@@ -1,0 +1,84 @@
+"""``score`` stage: one reward per rollout.
+
+Sources, by config: the built-in exact-match reward of the arithmetic task, a user function
+``env.reward_fn: "package.module:function"`` called on ``(prompts, responses, answers)``, or a
+reward model (a sequence-classification ``Policy``) through ``Policy.score``. Rewards that are
+NaN/inf, not numbers, or come from a raising function are masked (``reward_valid`` False) and
+counted in the manifest (``invalid_rewards``) instead of ending the run.
+
+Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from prefect import get_run_logger, task
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.faults import fault_point
+
+__all__ = ["compute_rewards", "reward_function", "score"]
+
+
+def reward_function(env_cfg: Any):
+    """The configured verifiable reward callable (default: arithmetic exact match)."""
+    from nrl_tasks.environments.rewards import DEFAULT_REWARD_FN, load_reward_fn
+
+    return load_reward_fn(env_cfg.reward_fn or DEFAULT_REWARD_FN)
+
+
+def compute_rewards(
+    rollouts: BatchedDataDict,
+    env_cfg: Any,
+    reward_model: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """``(rewards [B] float32, valid [B] bool, errors)`` for a rollout batch."""
+    from nrl_tasks.environments.rewards import safe_rewards
+
+    if env_cfg.reward_model.enabled:
+        if reward_model is None:
+            raise RuntimeError("env.reward_model.enabled but no reward-model Policy is running")
+        data = BatchedDataDict({"input_ids": rollouts["input_ids"], "input_lengths": rollouts["input_lengths"]})
+        out = reward_model.score(data)
+        scores = out["scores"] if "scores" in out else out["score"]
+        rewards = scores.reshape(-1).to(torch.float32)
+        valid = torch.isfinite(rewards)
+        errors = [] if bool(valid.all()) else [f"{int((~valid).sum())} reward-model scores not finite"]
+        return torch.where(valid, rewards, torch.zeros_like(rewards)), valid, errors
+    fn = reward_function(env_cfg)
+    prompts: Sequence[str] = rollouts["prompt"]
+    return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
+
+
+@task(name="score", task_run_name="score-{run_id}-step{step}", **TASK_DEFAULTS)
+def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_stage: str = "rollouts") -> dict[str, Any]:
+    """Score the step's rollouts; persist ``rewards``."""
+    import storage
+    from flows.runtime import get_runtime
+
+    rt = get_runtime(cfg, run_id)
+    uri = rt.layout.stage_uri(step, stage)
+    if (done := committed(uri, rt.storage_options)) is not None:
+        return done
+    fault_point("score", step, "before")
+    timer = StageTimer()
+    rollouts = storage.load_batch(rt.layout.stage_uri(step, rollouts_stage), **rt.storage_kw)
+    rewards, valid, errors = compute_rewards(rollouts, cfg.env, rt.reward_model)
+    if errors:
+        logger = get_run_logger()
+        for e in errors:
+            logger.warning("step %d reward: %s", step, e)
+    fault_point("score", step, "during")
+    batch = BatchedDataDict({"rewards": rewards, "reward_valid": valid})
+    n_valid = int(valid.sum())
+    out = save_output(
+        batch, uri, run_id=run_id, step=step, stage=stage, weights_version=None,
+        storage_options=rt.storage_options, seconds=timer.total(),
+        reward_mean=float(rewards[valid].mean()) if n_valid else float("nan"),
+        invalid_rewards=int(valid.numel() - n_valid), reward_errors="; ".join(errors)[:2000],
+    )
+    fault_point("score", step, "after")
+    return out
