@@ -106,7 +106,8 @@ class NrlWorkerExtension:
 
         ``metadata``: ``[[name, shape, dtype_name], ...]`` in the producer's order (HF names).
         Returns ``{"tensors": n, "checksum": weights_checksum of the received tensors or None}``.
-        On failure the group is closed (re-create it before retrying).
+        On failure the group is closed (re-create it before retrying) and vLLM's reload state is
+        reset so that the retry can load every layer again.
         """
         from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
         from nrl_tasks.utils.refit import metadata_to_consumer_iter
@@ -141,4 +142,24 @@ class NrlWorkerExtension:
             return {"tensors": count, "checksum": checksum() if checksum is not None else None}
         except BaseException:
             self.nrl_teardown_collective()
+            self._nrl_abort_reload()
             raise
+
+    def _nrl_abort_reload(self) -> None:
+        """After a reload that died mid-stream, put every layer back in a loadable state.
+
+        vLLM's layerwise reload moves layers to the meta device and wraps their loaders until
+        each layer is complete; left like that, the next reload fails. Finalising it restores
+        untouched layers and processes partly loaded ones (their weights are then a mix: the
+        worker stays stale until a complete refit).
+        """
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        except Exception as exc:  # noqa: BLE001 - best effort; the original error is what matters
+            import logging
+
+            logging.getLogger(__name__).warning("could not reset vLLM's layerwise reload state: %s", exc)

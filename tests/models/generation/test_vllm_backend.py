@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm b
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from nrl_tasks.models.generation.hf_sampling import generate_batch  # noqa: E402
+from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors  # noqa: E402
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError  # noqa: E402
 from nrl_tasks.models.generation.vllm_generation import VllmGeneration  # noqa: E402
 
@@ -149,10 +150,10 @@ def test_refit_through_vllm(gen, local, batch):
 
     model, tok = local
     before = gen.generate(batch, greedy=True, weights_version=0)
-    assert gen.weights_checksum() == weights_checksum(model.named_parameters())
+    assert gen.weights_checksum() == weights_checksum(hf_refit_named_tensors(model))
 
     g = torch.Generator().manual_seed(123)
-    named = [(n, (p.detach() * 1.5 + 0.05 * torch.randn(p.shape, generator=g)).contiguous()) for n, p in model.named_parameters()]
+    named = [(n, (t * 1.5 + 0.05 * torch.randn(t.shape, generator=g)).contiguous()) for n, t in hf_refit_named_tensors(model)]
 
     bad = [(n, t[:, :-1] if n == "model.layers.1.self_attn.o_proj.weight" else t) for n, t in named]
     with pytest.raises(RefitMismatchError, match="model.layers.1.self_attn.o_proj.weight"):
@@ -185,3 +186,52 @@ def test_refit_through_vllm(gen, local, batch):
     with pytest.raises(StaleWeightsError):
         gen.generate(batch, greedy=True, weights_version=0)
     gen.teardown_collective()
+
+
+def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
+    import ray
+
+    from nrl_tasks.utils.collective import create_broadcast_group, find_free_port
+    from nrl_tasks.utils.packed_tensor import packed_broadcast_producer
+    from nrl_tasks.utils.refit import RefitInfo, weights_checksum
+
+    model, tok = local
+    version = gen.weights_version
+    assert version is not None
+    g = torch.Generator().manual_seed(7)
+    named = [(n, (t * 0.8 + 0.05 * torch.randn(t.shape, generator=g)).contiguous()) for n, t in hf_refit_named_tensors(model)]
+
+    def refit(new_version: int, stop_after: int | None, timeout_s: float):
+        gen.prepare_refit_info(RefitInfo.build(named, BUFFER, new_version).to_dict())
+        port = find_free_port()
+        world = 1 + gen.refit_world_size
+        refs = gen.init_collective("127.0.0.1", port, world, rank_offset=1, timeout_s=timeout_s)
+        group = create_broadcast_group("127.0.0.1", port, 0, world, timeout_s=timeout_s)
+        ray.get(refs, timeout=120)
+        refs = gen.update_weights_from_collective(new_version)
+        try:
+            sent = named if stop_after is None else named[:stop_after]
+            packed_broadcast_producer(iter(sent), group, 0, lambda item: item[1], buffer_size_bytes=BUFFER)
+        except Exception:
+            ray.get(refs, timeout=120)  # the consumer's own error explains a broken producer
+            raise
+        finally:
+            group.close()
+        return ray.get(refs, timeout=120)
+
+    with pytest.raises(Exception):
+        refit(version + 1, len(named) // 2, 5.0)
+    assert gen.weights_version is None
+    with pytest.raises(StaleWeightsError):
+        gen.generate(batch, greedy=True)
+
+    gen.teardown_collective()
+    refit(version + 1, None, 60.0)
+    assert gen.weights_version == version + 1
+    assert gen.weights_checksum() == weights_checksum(named)
+    with torch.no_grad():
+        for (_, new), p in zip(named, model.parameters()):
+            p.copy_(new)
+    out = gen.generate(batch, greedy=True, weights_version=version + 1)
+    ref = generate_batch(model, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
+    assert torch.equal(out["output_ids"], ref["output_ids"])
