@@ -449,8 +449,7 @@ class BroadcastPipeline:
         self.device = device
         self._free: list[torch.Tensor] = []
         self._inflight: deque[tuple[BroadcastHandle, torch.Tensor | None, Any]] = deque()
-        cuda = device.type == "cuda"
-        self._streams = [torch.cuda.Stream(device=device) for _ in range(max_in_flight)] if cuda else []
+        self._streams = _cuda_streams(device, max_in_flight) if device.type == "cuda" else []
         self._launches = 0
         self.max_seen_in_flight = 0
 
@@ -519,7 +518,23 @@ class BroadcastPipeline:
                 if ok:
                     self._free.clear()
                     raise
+        if self._streams and not failed:
+            # callers may still have copies out of our buffers queued on their stream
+            torch.cuda.synchronize(self.device)
         if not failed:
             for buf in self._free:
                 BUFFER_POOL.give(buf)
         self._free.clear()
+
+
+_STREAMS: dict[tuple[int, int], list[Any]] = {}
+
+
+def _cuda_streams(device: torch.device, count: int) -> list[Any]:
+    """``count`` side streams for ``device``, created once per process: the caching allocator
+    keys blocks by stream, so fresh streams on every refit would strand cached memory."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, count)
+    if key not in _STREAMS:
+        _STREAMS[key] = [torch.cuda.Stream(device=index) for _ in range(count)]
+    return _STREAMS[key]

@@ -8,8 +8,8 @@ metadata ``(name, (shape, dtype))``; both sides must agree on order, dtypes, sha
 Cut rules (``T`` = ``buffer_size_bytes``):
 
 * default: a chunk never exceeds ``T``; it is cut before the tensor that would make it exceed
-  ``T``. A tensor larger than ``T`` travels in a broadcast of its own, straight from (producer)
-  or into (consumer) its own storage, with no pack or unpack copy.
+  ``T``. A tensor larger than ``T`` travels in a broadcast of its own. The producer sends any
+  chunk of a single contiguous tensor straight from that tensor's storage (no pack copy).
 * ``use_legacy_packing=True`` (vLLM's own consumer): a tensor is appended first, and the chunk is
   cut once its size exceeds ``T``, so an oversized tensor is packed with the ones before it.
 
@@ -239,11 +239,10 @@ def packed_broadcast_producer(
 def _send(pipe: BroadcastPipeline, chunk: _Chunk) -> None:
     pipe.make_room()
     with pipe.stream_context():
-        if chunk.solo:
-            tensor = chunk.pieces[0].payload
-            assert tensor is not None
-            data = _as_bytes(tensor.to(pipe.device))
-            buf = None
+        first = chunk.pieces[0].payload
+        assert first is not None
+        if len(chunk.pieces) == 1 and first.is_contiguous() and first.device == pipe.device:
+            data, buf = _as_bytes(first), None  # a chunk of one tensor: send it from its own storage
         else:
             buf = pipe.acquire(chunk.nbytes, exact=chunk.final)
             data = buf[: chunk.nbytes]
