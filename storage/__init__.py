@@ -1,7 +1,8 @@
 """nrl-flows storage: batches as committed Arrow IPC datasets, and atomic file helpers.
 
 ``save_batch(batch, uri, num_shards=1, *, overwrite=False, storage_options=None, **meta)``
-writes a ``BatchedDataDict``; ``load_batch(uri, shard=None, ...)`` reads it back. Datasets live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and a
+writes a ``BatchedDataDict``; ``load_batch(uri, shard=None, ...)`` reads it back. Datasets
+live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and a
 ``_manifest.json`` written last (the commit). See ``storage.store`` for the protocol,
 ``storage.tensor_codec`` / ``storage.pycodec`` for the column layouts and ``storage.fs`` for
 the filesystem helpers shared with checkpoints, metrics and configs.

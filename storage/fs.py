@@ -35,6 +35,7 @@ __all__ = [
     "TMP_MARKER",
     "download_dir",
     "exists",
+    "invalidate_cache",
     "is_local",
     "is_s3",
     "is_temp_name",
@@ -165,7 +166,8 @@ def resolve(
     return fs, path.rstrip("/")
 
 
-def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def invalidate_cache(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop fsspec's cached listings at and above ``path`` (remote filesystems only)."""
     if fs is not _LOCAL:
         fs.invalidate_cache(path)
 
@@ -174,7 +176,7 @@ def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
 def exists(uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
     """Whether a file or directory (prefix) exists at ``uri`` (fresh, not from a cache)."""
     fs, path = resolve(uri, storage_options)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
     return bool(fs.exists(path))
 
 
@@ -183,10 +185,12 @@ def list_dir(
 ) -> list[str]:
     """Sorted names (not paths) of the direct children of ``uri``; ``[]`` when it is missing.
 
-    Temp files of unfinished atomic writes are left out.
+    Temp files of unfinished atomic writes are left out. Directories count as children;
+    local disks and SeaweedFS keep emptied directories, plain S3 forgets empty prefixes, so
+    callers looking for complete entries should check for their commit marker.
     """
     fs, path = resolve(uri, storage_options)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
     try:
         entries = fs.ls(path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
@@ -201,7 +205,7 @@ def walk_files(
 ) -> list[str]:
     """Sorted paths, relative to ``uri`` with ``/`` separators, of every file below it."""
     fs, path = resolve(uri, storage_options)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
     try:
         found = fs.find(path)
     except FileNotFoundError:
@@ -280,7 +284,7 @@ def write_bytes_atomic(
             raise
         return
     fs.pipe_file(path, bytes(data) if not isinstance(data, bytes) else data)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
 
 
 def write_text_atomic(
@@ -309,7 +313,7 @@ def remove(
 ) -> None:
     """Delete a file, or a directory/prefix with ``recursive=True``. Idempotent by default."""
     fs, path = resolve(uri, storage_options)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
     if fs is _LOCAL:
         if os.path.isdir(path) and not os.path.islink(path):
             if not recursive:
@@ -327,7 +331,7 @@ def remove(
     if fs.isdir(path) and not recursive:
         raise IsADirectoryError(f"{uri} is a directory (prefix); pass recursive=True")
     fs.rm(path, recursive=recursive)
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
 
 
 # --------------------------------------------------------------------------- directories
@@ -368,7 +372,7 @@ def upload_dir(
         return rels
     if rels:
         fs.put([os.path.join(src, r) for r in rels], [f"{path}/{r}" for r in rels])
-    _invalidate(fs, path)
+    invalidate_cache(fs, path)
     return rels
 
 

@@ -118,7 +118,7 @@ def _holds_special(values: Any) -> bool:
 
 # --------------------------------------------------------------------------- JSON
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -79,7 +79,7 @@ def _check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def _remove_stale(fs: Any, path: str, keep: Sequence[str] = ()) -> None:
     """Delete shard and temp files of earlier attempts in a dataset directory."""
-    sfs._invalidate(fs, path)
+    sfs.invalidate_cache(fs, path)
     try:
         entries = fs.ls(path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
@@ -93,7 +93,7 @@ def _remove_stale(fs: Any, path: str, keep: Sequence[str] = ()) -> None:
             stale.append(entry)
     if stale:
         fs.rm(stale)
-        sfs._invalidate(fs, path)
+        sfs.invalidate_cache(fs, path)
 
 
 # --------------------------------------------------------------------------- save
@@ -123,14 +123,14 @@ def save_batch(
     local = sfs.is_local(uri)
     manifest_path = f"{path}/{MANIFEST_NAME}"
 
-    sfs._invalidate(fs, path)
+    sfs.invalidate_cache(fs, path)
     if fs.exists(manifest_path):
         if not overwrite:
             raise AlreadyCommittedError(
                 f"{uri} is already a committed dataset; pass overwrite=True to replace it"
             )
         fs.rm(manifest_path)  # uncommit first: from here on a crash leaves nothing loadable
-        sfs._invalidate(fs, path)
+        sfs.invalidate_cache(fs, path)
     _remove_stale(fs, path)
     if local:
         os.makedirs(path, exist_ok=True)
@@ -263,7 +263,7 @@ def delete_batch(
     """
     uri = os.fspath(uri)
     fs, path = sfs.resolve(uri, storage_options)
-    sfs._invalidate(fs, path)
+    sfs.invalidate_cache(fs, path)
     manifest_path = f"{path}/{MANIFEST_NAME}"
     if fs.exists(manifest_path):
         fs.rm(manifest_path)

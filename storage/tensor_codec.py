@@ -114,9 +114,9 @@ def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if t.is_sparse or t.layout != torch.strided:
-        raise TypeError("sparse tensors cannot be stored; convert with .to_dense()")
-    return t.contiguous()
+    if t.layout != torch.strided:
+        raise TypeError(f"tensors with layout {t.layout} cannot be stored; convert with .to_dense()")
+    return t.resolve_conj().resolve_neg().contiguous()  # lazy conj/neg bits are not in memory
 
 
 def _fixed_size_list(values: pa.Array, rows: int, per_row: int) -> pa.Array:
