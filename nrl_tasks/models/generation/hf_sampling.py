@@ -25,6 +25,8 @@ Sampling conventions:
   ``max(len(stop)) + 4`` generated tokens (enough for any tokenizer whose tokens decode to at
   least one character). ``truncated`` is set when a row hit ``max_new_tokens`` (or the model's
   context length) without stopping.
+* Rows that finished leave the compute batch (and the KV cache) once at most 3/4 of it is
+  still decoding, so ragged stops do not keep costing compute.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import torch
 __all__ = ["build_generation_output", "filter_top_k_top_p", "generate_batch", "resolve_pad_and_stop_ids"]
 
 _TAIL_EXTRA_TOKENS = 4
+#: Finished rows are dropped from the compute batch (and the KV cache) once at most this
+#: fraction of it is still decoding.
+_PRUNE_FRACTION = 0.75
 
 
 def resolve_pad_and_stop_ids(
@@ -156,6 +161,15 @@ def _validate(
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
 
 
+def _select_rows(cache: Any, keep: torch.Tensor) -> None:
+    """Keep only batch rows ``keep`` of a KV cache (finished rows stop costing compute)."""
+    select = getattr(cache, "batch_select_indices", None)
+    if select is not None:
+        select(keep)
+    else:  # older caches
+        cache.reorder_cache(keep)
+
+
 def _make_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
@@ -218,10 +232,13 @@ def _decode_chunk(
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
 
     cache_kw, extra = _forward_kwargs(model)
-    extra[cache_kw] = _make_cache(model)
+    cache = extra[cache_kw] = _make_cache(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     logits = out.logits[:, -1, :]
+    # the compute batch holds the rows still decoding: ``rows`` maps its positions to chunk rows
+    rows = torch.arange(b, device=device)
     for step in range(max_steps):
+        act = active[rows]
         scores = logits.float() / temperature
         logp = torch.log_softmax(scores, dim=-1)
         if greedy:
@@ -229,29 +246,35 @@ def _decode_chunk(
         else:
             probs = torch.softmax(filter_top_k_top_p(scores, top_k, top_p), dim=-1)
             if row_generators is not None:
-                tok = torch.full((b,), pad_id, dtype=torch.long, device=device)
-                for i in active.nonzero().flatten().tolist():
-                    tok[i] = torch.multinomial(probs[i], 1, generator=row_generators[i])[0]
+                tok = torch.full((len(rows),), pad_id, dtype=torch.long, device=device)
+                for j in act.nonzero().flatten().tolist():
+                    tok[j] = torch.multinomial(probs[j], 1, generator=row_generators[int(rows[j])])[0]
             else:
                 tok = torch.multinomial(probs, 1, generator=shared_generator).squeeze(1)
-        tok = torch.where(active, tok, torch.full_like(tok, pad_id))
-        gen[:, step] = tok
-        gen_lp[:, step] = torch.where(active, logp.gather(1, tok.unsqueeze(1)).squeeze(1), 0.0)
-        gen_len += active.long()
+        tok = torch.where(act, tok, torch.full_like(tok, pad_id))
+        gen[rows, step] = tok
+        gen_lp[rows, step] = torch.where(act, logp.gather(1, tok.unsqueeze(1)).squeeze(1), 0.0)
+        gen_len[rows] += act.long()
 
-        hit = active & torch.isin(tok, stop_tensor) if stop_ids else torch.zeros_like(active)
-        for i in active.nonzero().flatten().tolist():
-            if stop_strings[i] and not hit[i]:
+        hit = act & torch.isin(tok, stop_tensor) if stop_ids else torch.zeros_like(act)
+        for j in act.nonzero().flatten().tolist():
+            i = int(rows[j])
+            if stop_strings[i] and not hit[j]:
                 n = int(gen_len[i])
                 text = tokenizer.decode(gen[i, max(0, n - tails[i]) : n].tolist(), skip_special_tokens=False)
                 if any(s in text for s in stop_strings[i]):
-                    hit[i] = True
-        stopped |= hit
-        active &= ~hit
-        active &= gen_len < budget_t
-        if not bool(active.any()):
+                    hit[j] = True
+        stopped[rows] |= hit
+        act = act & ~hit & (gen_len[rows] < budget_t[rows])
+        active[rows] = act
+        n_act = int(act.sum())
+        if n_act == 0:
             break
-        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], dim=1)
+        if n_act <= _PRUNE_FRACTION * len(rows):
+            keep = act.nonzero().flatten()
+            _select_rows(cache, keep)
+            rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
         out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos, use_cache=True, **extra)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
