@@ -116,9 +116,38 @@ def test_generate_sharded_equals_local_decode_loop(gen, local_model, batch, cfg)
             torch.testing.assert_close(out["logprobs"][i, :n], ref["logprobs"][i, :n], atol=1e-5, rtol=0)
         for k in ("generation_lengths", "unpadded_sequence_lengths", "truncated"):
             assert torch.equal(out[k], ref[k]), k
-    # fewer rows than workers, and per-row stop strings reach the right rows
+    # fewer rows than workers
     one = {k: v[:1] for k, v in batch.items()}
     assert gen.generate(one, greedy=True)["output_ids"].shape[0] == 1
+
+
+def test_per_row_stop_strings_reach_their_rows(gen, local_model, batch, cfg):
+    model, tok = local_model
+    ref = _local(model, tok, batch, cfg, True)
+    i = 4  # a row of the second worker's shard
+    n = int(batch["input_lengths"][i])
+    text = tok.decode(ref["output_ids"][i, n + 1 : n + 3].tolist())
+    assert text.strip(), "greedy continuation decodes to whitespace only"
+    stops = [None] * len(PROMPTS)
+    stops[i] = [text]
+    out = gen.generate(dict(batch, stop_strings=stops), greedy=True)
+    local = generate_batch(model, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=cfg.max_new_tokens,
+                           greedy=True, stop_strings=stops)
+    assert int(out["generation_lengths"][i]) <= 3 and not out["truncated"][i]
+    for k in ("generation_lengths", "truncated"):
+        assert torch.equal(out[k], local[k]), k
+    others = [j for j in range(len(PROMPTS)) if j != i]
+    assert torch.equal(out["generation_lengths"][others], ref["generation_lengths"][others])
+
+
+def test_merge_stop_strings():
+    from nrl_tasks.models.generation.hf_worker import merge_stop_strings
+
+    assert merge_stop_strings(None, None, 2) is None
+    assert merge_stop_strings(["\n"], None, 2) == [["\n"], ["\n"]]
+    assert merge_stop_strings(["\n"], [None, ["x", "\n"]], 2) == [["\n"], ["\n", "x"]]
+    with pytest.raises(ValueError, match="3 entries for a batch of 2"):
+        merge_stop_strings(None, [None, None, None], 2)
 
 
 def test_stale_version_refused_and_mark_stale(gen, batch):
