@@ -271,7 +271,6 @@ class RayVirtualCluster:
                     )
 
     def _create_placement_groups(self) -> None:
-        ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
 
         existing = [

@@ -25,17 +25,16 @@ Not supported (Megatron/SGLang/CUDA-IPC only in NeMo-RL): ``calibrate_qkv_fp8_sc
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 from typing import Any, Iterable, Optional, Union
 
-import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 from nrl_tasks.models.policy import PolicyConfig
-from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
+from nrl_tasks.models.policy.workers import sharding
+from nrl_tasks.models.policy.workers.placement import bundle_indices, worker_class, worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -55,65 +54,6 @@ def _timed(timer: Any, label: str):
     if timer is not None and hasattr(timer, "time"):
         return timer.time(label)
     return contextlib.nullcontext()
-
-
-def _worker_class(worker_extension_cls_fqn: str | None) -> type:
-    if not worker_extension_cls_fqn:
-        return PolicyWorker
-    module_name, _, cls_name = worker_extension_cls_fqn.rpartition(".")
-    if not module_name:
-        raise ValueError(f"worker_extension_cls_fqn must be 'package.module.Class', got {worker_extension_cls_fqn!r}")
-    try:
-        ext = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import worker_extension_cls_fqn {worker_extension_cls_fqn!r}: {exc}") from exc
-    return type(f"PolicyWorkerWith{cls_name}", (ext, PolicyWorker), {})
-
-
-def _bundle_indices(cluster: Any, workers_per_node: int | list[int] | None) -> list[tuple[int, int]]:
-    locations = cluster.bundle_locations()
-    if workers_per_node is None:
-        return locations
-    counts = cluster.bundle_ct_per_node_list
-    if isinstance(workers_per_node, int):
-        wanted = [workers_per_node] * len(counts)
-    else:
-        wanted = list(workers_per_node)
-        if len(wanted) != len(counts):
-            raise ValueError(f"workers_per_node has {len(wanted)} entries for {len(counts)} nodes of the cluster")
-    out = []
-    for node, (want, have) in enumerate(zip(wanted, counts)):
-        if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want <= have:
-            raise ValueError(f"workers_per_node[{node}]={want!r} must be an int in [0, {have}] (bundles on that node)")
-        out += [(node, b) for b in range(want)]
-    if not out:
-        raise ValueError("workers_per_node selects no worker")
-    return out
-
-
-def _worker_env(cfg: PolicyConfig) -> dict[str, str]:
-    threads = str(cfg.torch_num_threads)
-    return {
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-
-
-def _payload_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_payload_bytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_payload_bytes(v) for v in value.values())
-    if isinstance(value, (str, bytes)):
-        return len(value)
-    return 8
 
 
 class Policy:
@@ -175,7 +115,7 @@ class Policy:
         self.last_sharded_payload: dict[str, Any] | None = None
         self._weights_version = 0
 
-        worker_cls = _worker_class(worker_extension_cls_fqn)
+        worker_cls = worker_class(worker_extension_cls_fqn)
         actor_kwargs = dict(
             config=cfg.model_dump(mode="json"),
             tokenizer=tokenizer,
@@ -189,10 +129,10 @@ class Policy:
             name_prefix=name_prefix,
             namespace=self.namespace,
             actor_kwargs=actor_kwargs,
-            env_vars=_worker_env(cfg),
+            env_vars=worker_env(cfg),
             detached=detached,
             num_cpus_per_worker=cfg.num_cpus_per_worker,
-            bundle_indices=_bundle_indices(cluster, workers_per_node),
+            bundle_indices=bundle_indices(cluster, workers_per_node),
         )
         group = RayWorkerGroup(cluster, worker_cls, **group_kwargs)
         statuses = self._statuses(group, setup_timeout_s)
@@ -322,74 +262,22 @@ class Policy:
         return self._get(self.worker_group.run_all_workers_multiple_data(method_name, *args, **kwargs))
 
     # ------------------------------------------------------------------ sharding
-    def _dynamic_cfg(self, tokens: int | None) -> dict[str, Any]:
-        return {
-            "max_tokens_per_microbatch": int(tokens),
-            "sequence_length_round": self.cfg.dynamic_batching.sequence_length_round,
-            "input_key": "input_ids",
-            "input_lengths_key": "input_lengths",
-        }
-
-    def _packing_cfg(self, tokens: int | None) -> dict[str, Any]:
-        sp = self.cfg.sequence_packing
-        return {
-            "max_tokens_per_microbatch": int(tokens),
-            "input_key": "input_ids",
-            "input_lengths_key": "input_lengths",
-            "algorithm": sp.algorithm,
-            "sequence_length_pad_multiple": sp.sequence_length_pad_multiple,
-        }
-
     def _shard_for_logprob(
         self, data: BatchedDataDict[Any]
     ) -> tuple[list[SlicedDataDict], Optional[list[int]]]:
-        """Shard inputs for logprob-like calls: ``(shards, unsorted_data_indices)``.
-
-        With dynamic batching or packing (``*.logprob_mb_tokens``) rows are reordered and the
-        second element restores the order (``from_batches(results).reorder_data(indices)``);
-        otherwise it is ``None``. Batches that do not divide across the ranks (or, for packing,
-        have fewer rows than ranks) fall back to plain, possibly uneven, shards.
-        """
-        dp = self.data_parallel_size
-        size = data.size
-        if self.cfg.dynamic_batching.enabled and size and size % dp == 0:
-            shards, indices = data.shard_by_batch_size(
-                dp, dynamic_batching_cfg=self._dynamic_cfg(self.cfg.dynamic_batching.logprob_mb_tokens)
-            )
-            return shards, indices
-        if self.cfg.sequence_packing.enabled and size >= dp:
-            shards, indices = data.shard_by_batch_size(
-                dp, sequence_packing_cfg=self._packing_cfg(self.cfg.sequence_packing.logprob_mb_tokens)
-            )
-            return shards, indices
-        if size % dp == 0:
-            return data.shard_by_batch_size(dp), None
-        return data.shard_by_batch_size(dp, allow_uneven_shards=True), None
+        """Shard inputs for get_logprobs / get_reference_policy_logprobs: ``(shards,
+        unsorted_data_indices)``, the inverse permutation being ``None`` unless dynamic batching
+        or packing reordered rows (see :func:`~nrl_tasks.models.policy.workers.sharding.shard_for_logprob`)."""
+        return sharding.shard_for_logprob(data, self.data_parallel_size, self.cfg)
 
     def _shard_for_train(self, data: BatchedDataDict[Any], batch_size: int) -> list[SlicedDataDict]:
-        """Shard inputs for ``train``: global batches of ``batch_size`` rows, split across ranks.
-
-        Uses ``train_mb_tokens`` for dynamic batching / packing; the reorder indices are not
-        needed because ``train`` returns scalars.
-        """
-        dp = self.data_parallel_size
-        if self.cfg.dynamic_batching.enabled:
-            shards, _ = data.shard_by_batch_size(
-                dp, batch_size=batch_size,
-                dynamic_batching_cfg=self._dynamic_cfg(self.cfg.dynamic_batching.train_mb_tokens),
-            )
-            return shards
-        if self.cfg.sequence_packing.enabled:
-            shards, _ = data.shard_by_batch_size(
-                dp, batch_size=batch_size,
-                sequence_packing_cfg=self._packing_cfg(self.cfg.sequence_packing.train_mb_tokens),
-            )
-            return shards
-        return data.shard_by_batch_size(dp, batch_size=batch_size)
+        """Shard inputs for train: global batches of ``batch_size`` rows across the ranks, with
+        ``train_mb_tokens`` plans; no reorder indices (train returns scalars)."""
+        return sharding.shard_for_train(data, self.data_parallel_size, self.cfg, batch_size)
 
     def _report_sharded_payload(self, sharded_data: list[SlicedDataDict], boundary: str) -> None:
         """Measure the bytes each DP shard ships to its worker (stored in ``last_sharded_payload``)."""
-        per_shard = [sum(_payload_bytes(v) for v in shard.values()) for shard in sharded_data]
+        per_shard = [sum(sharding.payload_bytes(v) for v in shard.values()) for shard in sharded_data]
         self.last_sharded_payload = {"boundary": boundary, "bytes_per_shard": per_shard, "total_bytes": sum(per_shard)}
         logger.debug("Policy %s: shard payload bytes %s", boundary, per_shard)
 
@@ -412,10 +300,7 @@ class Policy:
         shards, unsorted = self._shard_for_logprob(data)
         self._report_sharded_payload(shards, method)
         results = self._get(self.worker_group.run_all_workers_sharded_data(method, shards, *args, **kwargs))
-        merged = BatchedDataDict.from_batches(results)
-        if unsorted is not None:
-            merged.reorder_data(unsorted)
-        return merged
+        return sharding.merge_results(results, unsorted)
 
     # ------------------------------------------------------------------ inference
     def get_logprobs(

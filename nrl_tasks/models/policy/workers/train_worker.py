@@ -17,7 +17,6 @@ only switch train/eval mode, free gradients and run the garbage collector.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -42,13 +41,10 @@ from nrl_tasks.models.policy.workers.optim import (
     clip_and_norm,
     trainable_named_parameters,
 )
+from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
+from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
-from nrl_tasks.models.policy.workers.rng import (
-    capture_rng_state,
-    configure_determinism,
-    restore_rng_state,
-    seed_everything,
-)
+from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +55,7 @@ def _rank_from_env() -> tuple[int, int]:
     return int(os.environ.get("NRL_WORKER_RANK", "0")), int(os.environ.get("NRL_WORKER_WORLD_SIZE", "1"))
 
 
-class PolicyWorker(RefitMixin):
+class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     """One DP rank. Methods are called through Ray by ``Policy``; see the module docstring."""
 
     def __init__(
@@ -363,13 +359,18 @@ class PolicyWorker(RefitMixin):
             grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
         results["global_loss"].append(float(loss_sum))
         results["grad_norm"].append(grad_norm)
         results["lr"].append(float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0)
         results["global_valid_toks"].append(float(counts[0]))
         results["global_valid_seqs"].append(float(counts[1]))
         results["num_microbatches"].append(len(micro_batches))
+
+    def get_gradients(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the gradients of the last global batch trained (after the DP
+        all-reduce and clipping); empty after ``finish_training``. For checks and debugging."""
+        self._require_ready()
+        return {n: p.grad.detach().to("cpu", copy=True) for n, p in zip(self.param_names, self.params) if p.grad is not None}
 
     # ----------------------------------------------------------------- generate / score
     @torch.no_grad()
@@ -427,201 +428,6 @@ class PolicyWorker(RefitMixin):
         last = logits[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
         return BatchedDataDict({"scores": last[:, 0].cpu()})
 
-    # ------------------------------------------------------------------ checkpoints
-    def get_rng_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return capture_rng_state()
-
-    def save_checkpoint(
-        self,
-        weights_path: str | None,
-        optimizer_path: str | None,
-        tokenizer_path: str | None,
-        rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
-    ) -> dict[str, Any]:
-        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs."""
-        self._require_ready()
-        if self.rank != 0:
-            return {}
-        written: dict[str, Any] = {}
-        if weights_path:
-            def write_weights(tmp: str) -> None:
-                self.model.save_pretrained(tmp)
-                if tokenizer_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path):
-                    self.tokenizer.save_pretrained(tmp)
-
-            ckpt.write_dir_atomically(weights_path, write_weights)
-            written["weights_path"] = weights_path
-        if optimizer_path:
-            if self.optimizer is None:
-                raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
-
-            def write_optimizer(tmp: str) -> None:
-                meta = {"weights_version": self.weights_version, "data_parallel_size": self.world_size}
-                ckpt.optimizer_state_to_files(self.optimizer, self.param_names, self.scheduler, tmp, meta)
-                for rank, (tensors, json_state) in enumerate(rng_states):
-                    ckpt.write_rng_files(tmp, rank, tensors, json_state)
-
-            ckpt.write_dir_atomically(optimizer_path, write_optimizer)
-            written["optimizer_path"] = optimizer_path
-        if tokenizer_path and not (weights_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path)):
-            if self.tokenizer is None:
-                raise ValueError("tokenizer_path given but the policy workers hold no tokenizer")
-            ckpt.write_dir_atomically(tokenizer_path, self.tokenizer.save_pretrained)
-            written["tokenizer_path"] = tokenizer_path
-        return written
-
-    def load_checkpoint(self, weights_path: str | None, optimizer_path: str | None = None) -> dict[str, Any]:
-        """Restore weights and, with ``optimizer_path``, optimizer, scheduler, RNG and version."""
-        self._require_ready()
-        if weights_path:
-            ckpt.load_hf_weights_into(self.model, weights_path)
-        if optimizer_path:
-            self._load_optimizer_and_rng(optimizer_path)
-        return self.status()
-
-    def _load_optimizer_and_rng(self, path: str) -> None:
-        if self.optimizer is None:
-            raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
-        document = ckpt.read_optimizer_json(path)
-        saved_dp = int(document.get("data_parallel_size", self.world_size))
-        if saved_dp != self.world_size:
-            raise ValueError(
-                f"checkpoint {path!r} was written by {saved_dp} data-parallel ranks, this policy has "
-                f"{self.world_size} (RNG states are per rank)"
-            )
-        rng = ckpt.load_rng_files(path, self.rank)  # fail before touching the optimizer
-        ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path)
-        restore_rng_state(*rng)
-        self.weights_version = int(document.get("weights_version", self.weights_version))
-
-    def set_weights_version(self, version: int) -> int:
-        self.weights_version = int(version)
-        return self.weights_version
-
-    def get_weights_version(self) -> int:
-        return self.weights_version
-
-    # ------------------------------------------------------------------ lifecycle
-    def prepare_for_training(self) -> None:
-        """GPU: move weights and optimizer state back to the device. CPU: train mode only."""
-        self._require_ready()
-        self._to_device()
-        self.model.train()
-
-    def prepare_for_lp_inference(self) -> None:
-        """GPU: weights to the device; CPU: eval mode only."""
-        self._require_ready()
-        self._to_device()
-        self.model.eval()
-
-    def prepare_for_generation(self) -> bool:
-        """Same as ``prepare_for_lp_inference`` (generation uses the live weights)."""
-        self.prepare_for_lp_inference()
-        return True
-
-    def finish_generation(self) -> bool:
-        """Nothing is cached between ``generate`` calls (the KV cache is per call)."""
-        return True
-
-    def invalidate_kv_cache(self) -> bool:
-        """No persistent KV cache exists (each ``generate`` call builds its own): nothing to drop."""
-        return True
-
-    def finish_inference(self) -> None:
-        """GPU: offload weights to CPU; CPU: only a garbage-collection pass."""
-        self.offload_to_cpu(optimizer=False)
-
-    def finish_training(self) -> None:
-        """Free gradients (``set_to_none``) and collect garbage; GPU memory is returned to the cache."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        elif self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-        self._collect()
-
-    def offload_before_refit(self) -> None:
-        """GPU: optimizer state to CPU (weights stay for the broadcast). CPU: free grads and gc."""
-        self.finish_training()
-        if self.device.type == "cuda" and self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
-            self._offloaded = True
-        self._collect()
-
-    def offload_after_refit(self) -> None:
-        """GPU: weights and optimizer state to CPU. CPU: free grads and gc."""
-        self.offload_to_cpu(optimizer=True)
-
-    def offload_to_cpu(self, optimizer: bool = True) -> None:
-        """GPU: move weights (and optimizer state) to CPU. CPU: nothing to move; gc only."""
-        if self.device.type == "cuda" and self.model is not None:
-            self.model.to("cpu")
-            if optimizer and self.optimizer is not None:
-                _move_optimizer_state(self.optimizer, torch.device("cpu"))
-            self._offloaded = True
-        self._collect()
-
-    def _to_device(self) -> None:
-        if self._offloaded:
-            self.model.to(self.device)
-            if self.optimizer is not None:
-                _move_optimizer_state(self.optimizer, self.device)
-            self._offloaded = False
-
-    def _collect(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def get_free_memory_bytes(self) -> int:
-        """Free device memory: ``cudaMemGetInfo`` on GPU, available system RAM (psutil) on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[0])
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-
-    def node_ip_and_gpu_id(self) -> tuple[str, int]:
-        """``(node ip, GPU id)``; the GPU id is -1 on a CPU worker."""
-        import ray
-
-        gpu_ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
-
-    def start_gpu_profiling(self) -> None:
-        """Start ``torch.profiler`` (CPU activities, plus CUDA on a GPU worker)."""
-        if self._profiler is not None:
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-        self._profiler.__enter__()
-
-    def stop_gpu_profiling(self) -> str | None:
-        """Stop profiling and write a Chrome trace; returns its path (None if not profiling)."""
-        if self._profiler is None:
-            return None
-        prof, self._profiler = self._profiler, None
-        prof.__exit__(None, None, None)
-        import tempfile
-
-        out_dir = self.cfg.profiler_dir or os.path.join(tempfile.gettempdir(), "nrl-profiles")
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"policy_rank{self.rank}_{os.getpid()}_{int(time.time() * 1000)}.json")
-        prof.export_chrome_trace(path)
-        return path
-
-    def shutdown(self) -> bool:
-        """Leave the process groups (the actor is killed by the caller afterwards)."""
-        self.close_refit_group()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - partner already gone
-                pass
-        return True
-
-
 # ------------------------------------------------------------------------------ helpers
 def _check_inputs(data: BatchedDataDict) -> None:
     for key in ("input_ids", "input_lengths"):
@@ -656,10 +462,3 @@ def _to_float(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return float(value.detach().float().mean()) if value.numel() else 0.0
     return value
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device)

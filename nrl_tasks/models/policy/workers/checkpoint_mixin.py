@@ -1,0 +1,93 @@
+"""Checkpoint methods of a policy worker (mixed into ``PolicyWorker``); file formats in
+:mod:`nrl_tasks.models.policy.workers.checkpointing`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nrl_tasks.models.policy.workers import checkpointing as ckpt
+from nrl_tasks.models.policy.workers.rng import capture_rng_state, restore_rng_state
+
+__all__ = ["CheckpointMixin"]
+
+
+class CheckpointMixin:
+    """Expects ``self.model``, ``self.optimizer``, ``self.scheduler``, ``self.param_names``,
+    ``self.tokenizer``, ``self.rank``, ``self.world_size``, ``self.weights_version``."""
+
+    def get_rng_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return capture_rng_state()
+
+    def save_checkpoint(
+        self,
+        weights_path: str | None,
+        optimizer_path: str | None,
+        tokenizer_path: str | None,
+        rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs."""
+        self._require_ready()
+        if self.rank != 0:
+            return {}
+        written: dict[str, Any] = {}
+        if weights_path:
+            def write_weights(tmp: str) -> None:
+                self.model.save_pretrained(tmp)
+                if tokenizer_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path):
+                    self.tokenizer.save_pretrained(tmp)
+
+            ckpt.write_dir_atomically(weights_path, write_weights)
+            written["weights_path"] = weights_path
+        if optimizer_path:
+            if self.optimizer is None:
+                raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
+
+            def write_optimizer(tmp: str) -> None:
+                meta = {"weights_version": self.weights_version, "data_parallel_size": self.world_size}
+                ckpt.optimizer_state_to_files(self.optimizer, self.param_names, self.scheduler, tmp, meta)
+                for rank, (tensors, json_state) in enumerate(rng_states):
+                    ckpt.write_rng_files(tmp, rank, tensors, json_state)
+
+            ckpt.write_dir_atomically(optimizer_path, write_optimizer)
+            written["optimizer_path"] = optimizer_path
+        if tokenizer_path and not (weights_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path)):
+            if self.tokenizer is None:
+                raise ValueError("tokenizer_path given but the policy workers hold no tokenizer")
+            ckpt.write_dir_atomically(tokenizer_path, self.tokenizer.save_pretrained)
+            written["tokenizer_path"] = tokenizer_path
+        return written
+
+    def load_checkpoint(self, weights_path: str | None, optimizer_path: str | None = None) -> dict[str, Any]:
+        """Restore weights and, with ``optimizer_path``, optimizer, scheduler, RNG and version."""
+        self._require_ready()
+        if weights_path:
+            ckpt.load_hf_weights_into(self.model, weights_path)
+        if optimizer_path:
+            self._load_optimizer_and_rng(optimizer_path)
+        return self.status()
+
+    def _load_optimizer_and_rng(self, path: str) -> None:
+        if self.optimizer is None:
+            raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
+        document = ckpt.read_optimizer_json(path)
+        saved_dp = int(document.get("data_parallel_size", self.world_size))
+        if saved_dp != self.world_size:
+            raise ValueError(
+                f"checkpoint {path!r} was written by {saved_dp} data-parallel ranks, this policy has "
+                f"{self.world_size} (RNG states are per rank)"
+            )
+        rng = ckpt.load_rng_files(path, self.rank)  # fail before touching the optimizer
+        ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path)
+        restore_rng_state(*rng)
+        self.weights_version = int(document.get("weights_version", self.weights_version))
+
+    def set_weights_version(self, version: int) -> int:
+        self.weights_version = int(version)
+        return self.weights_version
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
