@@ -199,7 +199,14 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_env()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after options (`nrl resume RUN --storage X key=value`): argparse leaves them over
+    bad = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     handler = {"grpo": _cmd_grpo, "resume": _cmd_resume, "eval": _cmd_eval, "runs": _cmd_runs}[args.command]
     return handler(args)
 
