@@ -35,6 +35,7 @@ __all__ = [
     "TMP_MARKER",
     "download_dir",
     "exists",
+    "fsync_dir",
     "invalidate_cache",
     "is_local",
     "is_s3",
@@ -233,7 +234,8 @@ def read_text(
 
 
 # --------------------------------------------------------------------------- writes
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make renames and deletions in a local directory durable (best effort)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -252,11 +254,11 @@ def local_temp_path(path: str) -> str:
     return os.path.join(head, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
 
 
-def commit_local(tmp: str, path: str, fsync_dir: bool = True) -> None:
+def commit_local(tmp: str, path: str, durable: bool = True) -> None:
     """``os.replace`` a finished temp file onto ``path`` and make the rename durable."""
     os.replace(tmp, path)
-    if fsync_dir:
-        _fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))
 
 
 def write_bytes_atomic(
@@ -363,12 +365,12 @@ def upload_dir(
                 shutil.copyfile(os.path.join(src, rel), tmp)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                commit_local(tmp, dst, fsync_dir=False)
+                commit_local(tmp, dst, durable=False)
             except BaseException:
                 _unlink_quiet(tmp)
                 raise
         for d in {os.path.dirname(os.path.join(path, r)) for r in rels}:
-            _fsync_dir(d)
+            fsync_dir(d)
         return rels
     if rels:
         fs.put([os.path.join(src, r) for r in rels], [f"{path}/{r}" for r in rels])

@@ -77,7 +77,7 @@ def write_local(path: str, schema: pa.Schema, table: pa.Table, algorithm: str) -
         size = os.path.getsize(tmp)
         if size != sink.tell():
             raise OSError(f"short write to {tmp}: {size} of {sink.tell()} bytes")
-        commit_local(tmp, path, fsync_dir=False)
+        commit_local(tmp, path, durable=False)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -115,21 +115,23 @@ def save_batch(
     bad input, before anything is written or deleted.
     """
     uri = os.fspath(uri)
-    ranges = shard_ranges(0, num_shards)  # validates num_shards early
+    shard_ranges(0, num_shards)  # validates num_shards early
     meta = _check_meta(meta)
-    rows, columns, schema = encode_columns(batch)
-    ranges = shard_ranges(rows, num_shards)
     fs, path = sfs.resolve(uri, storage_options)
     local = sfs.is_local(uri)
     manifest_path = f"{path}/{MANIFEST_NAME}"
-
     sfs.invalidate_cache(fs, path)
-    if fs.exists(manifest_path):
-        if not overwrite:
-            raise AlreadyCommittedError(
-                f"{uri} is already a committed dataset; pass overwrite=True to replace it"
-            )
+    committed = fs.exists(manifest_path)
+    if committed and not overwrite:
+        raise AlreadyCommittedError(
+            f"{uri} is already a committed dataset; pass overwrite=True to replace it"
+        )
+    rows, columns, schema = encode_columns(batch)  # bad input raises here, nothing touched yet
+    ranges = shard_ranges(rows, num_shards)
+    if committed:
         fs.rm(manifest_path)  # uncommit first: from here on a crash leaves nothing loadable
+        if local:
+            sfs.fsync_dir(path)
         sfs.invalidate_cache(fs, path)
     _remove_stale(fs, path)
     if local:
@@ -156,7 +158,7 @@ def save_batch(
     if pending:
         fs.pipe(pending)
     if local:
-        sfs._fsync_dir(path)
+        sfs.fsync_dir(path)
 
     manifest = Manifest(
         uri=uri,
