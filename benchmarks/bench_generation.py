@@ -78,7 +78,9 @@ def bench_refit(model_dir: str, repeats: int) -> dict[str, float]:
     for version in range(1, repeats + 1):
         port = find_free_port()
         box: dict[str, object] = {}
-        joiner = threading.Thread(target=lambda: box.setdefault("g", create_broadcast_group("127.0.0.1", port, 0, 2)))
+        joiner = threading.Thread(
+            target=lambda box=box, port=port: box.setdefault("g", create_broadcast_group("127.0.0.1", port, 0, 2))
+        )
         joiner.start()
         worker.init_collective("127.0.0.1", port, 2, 1)
         joiner.join()

@@ -219,7 +219,7 @@ def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
             group.close()
         return ray.get(refs, timeout=120)
 
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match=r"(?i)collective|broadcast|closed|timed? ?out"):  # noqa: B017 - vLLM re-raises as Exception
         refit(version + 1, len(named) // 2, 5.0)
     assert gen.weights_version is None
     with pytest.raises(StaleWeightsError):
