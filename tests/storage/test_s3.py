@@ -33,8 +33,7 @@ from storage import (
 )
 from storage.fs import walk_files
 from storage import store as store_mod
-from tests.storage.helpers import same_batch, same_value
-from tests.storage.test_store import every_kind_batch
+from tests.storage.helpers import every_kind_batch, same_batch, same_value
 
 pytestmark = pytest.mark.s3
 SERVERS = ["moto_s3", "seaweed_s3"]
