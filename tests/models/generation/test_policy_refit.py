@@ -30,14 +30,14 @@ def policy_and_gen(ray_session, tiny_model_dir):
 
     tag = uuid.uuid4().hex[:8]
     namespace = f"nrl-refit-{tag}"
-    gen_cfg = GenerationConfig(model_name=tiny_model_dir, max_new_tokens=8, temperature=0.8, num_workers=2,
+    gen_cfg = GenerationConfig(model_name=tiny_model_dir, max_new_tokens=8, temperature=0.8, num_workers=1,
                                num_cpus_per_worker=0.5, refit_timeout_s=60)
     pcfg = PolicyConfig(
         model_name=tiny_model_dir, train_global_batch_size=4, train_micro_batch_size=2,
         max_total_sequence_length=64, generation=gen_cfg, optimizer={"kwargs": {"lr": 1e-2}},
     )
     policy_cluster = RayVirtualCluster([1], name=f"pol-{tag}", num_cpus_per_bundle=1)
-    gen_cluster = RayVirtualCluster([2], name=f"gen-{tag}", num_cpus_per_bundle=0.5)
+    gen_cluster = RayVirtualCluster([1], name=f"gen-{tag}", num_cpus_per_bundle=0.5)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = Policy(policy_cluster, pcfg, tokenizer, namespace=namespace, init_reference_model=False)
     gen = HfGeneration(gen_cluster, gen_cfg, namespace=namespace)
