@@ -3,7 +3,7 @@
 Writes hash the bytes as they are produced (no second pass over the file). Local reads map the
 file copy-on-write (``mmap.ACCESS_COPY``): tensors decoded from it are zero-copy views that
 may be written in place, and such writes stay private to the process (the file never
-changes). Remote reads fetch the whole object into a ``bytearray`` (writable, one copy).
+changes). Other reads land in writable memory (numpy byte arrays; remote: ``bytearray``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import mmap as _mmap
 import os
 from typing import Any, Literal, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from storage.checksum import digest, new_hasher
@@ -115,7 +116,7 @@ def check_shard(data: Any, info: ShardInfo, where: str, mode: VerifyMode, algori
 
 
 def open_local_shard(path: str, info: ShardInfo, mode: VerifyMode, algorithm: str, use_mmap: bool) -> Any:
-    """The shard's bytes: a copy-on-write mmap (``use_mmap``) or a ``bytearray``; verified."""
+    """The shard's bytes: a copy-on-write mmap (``use_mmap``) or a numpy byte array; verified."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -131,8 +132,8 @@ def open_local_shard(path: str, info: ShardInfo, mode: VerifyMode, algorithm: st
         if use_mmap:
             data: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
         else:
-            data = bytearray(size)
-            if f.readinto(data) != size:
+            data = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray(size)
+            if f.readinto(memoryview(data)) != size:
                 raise CorruptDatasetError(f"shard {path} changed size while being read")
     check_shard(data, info, path, mode, algorithm)
     return data

@@ -19,7 +19,6 @@ import re
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import pyarrow as pa
-import torch
 
 from storage import fs as sfs
 from storage.checksum import combine, default_algorithm
@@ -32,7 +31,7 @@ from storage.errors import (
 )
 from storage.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo, shard_name
 from storage.shard_io import VerifyMode, check_shard, open_local_shard, read_table, serialize, write_local
-from storage.tensor_codec import BufferBase
+from storage.tensor_codec import BufferBase, concat_rows
 
 __all__ = [
     "delete_batch",
@@ -372,7 +371,7 @@ def load_batch(
     for spec in specs:
         pieces = parts[spec.name]
         if spec.kind == "tensor":
-            value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            value = concat_rows(pieces)
             out[spec.name] = value.clone() if copy and len(pieces) == 1 else value
         else:
             merged = [item for piece in pieces for item in piece]
