@@ -3,7 +3,7 @@
 Writes hash the bytes as they are produced (no second pass over the file). Local reads map the
 file copy-on-write (``mmap.ACCESS_COPY``): tensors decoded from it are zero-copy views that
 may be written in place, and such writes stay private to the process (the file never
-changes). Other reads land in writable memory (numpy byte arrays; remote: ``bytearray``).
+changes). Other reads land in writable numpy byte arrays.
 """
 
 from __future__ import annotations

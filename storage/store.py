@@ -18,6 +18,7 @@ import os
 import re
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import pyarrow as pa
 
 from storage import fs as sfs
@@ -287,7 +288,7 @@ def _verify_mode(verify: Verify) -> VerifyMode:
     raise ValueError(f"verify must be True, False, 'full', 'size' or 'none', got {verify!r}")
 
 
-def _fetch_remote(fs: Any, paths: list[str]) -> list[bytearray]:
+def _fetch_remote(fs: Any, paths: list[str]) -> list[np.ndarray]:
     raws = fs.cat(paths, on_error="return")
     out = []
     for p in paths:
@@ -296,7 +297,9 @@ def _fetch_remote(fs: Any, paths: list[str]) -> list[bytearray]:
             raise MissingShardError(f"shard {p} is missing (named by the manifest)")
         if isinstance(raw, BaseException):
             raise raw
-        out.append(bytearray(raw))
+        writable = np.empty(len(raw), dtype=np.uint8)  # tensors get writable memory
+        writable[:] = np.frombuffer(raw, dtype=np.uint8)
+        out.append(writable)
     return out
 
 
