@@ -1,6 +1,6 @@
 """Refit throughput: per-tensor vs packed vs flat broadcasts between two processes over gloo.
 
-Run: ``python -m benchmarks.bench_refit [--quick] [--buffer-mib N] [--repeats R] [--sweep]``.
+Run: ``python -m benchmarks.bench_refit [--quick] [--buffer-mib N] [--repeats R] [--sweep [MIB ...]]``.
 
 A transformer-shaped parameter set (Qwen-like: GQA attention with biases, gated MLP, RMSNorm
 weights in float32, everything else bfloat16; ~290 tensors and ~520 MB; ``--quick`` ~100 MB)
@@ -169,7 +169,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
     modes.append(("per-tensor, in place", per_tensor, checksum_params))
     modes.append(("per-tensor + load copy", per_tensor_load, checksum_params))
     if args["sweep"]:
-        for mib in (1, 2, 4, 8, 16, 32, 64):
+        for mib in args["sweep"]:
             modes.append((f"packed x2 {mib} MiB", packed(2, mib * MiB), checksum_params))
     else:
         modes.append(("packed x1", packed(1, target), checksum_params))
@@ -343,13 +343,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="~100 MB instead of ~520 MB")
     parser.add_argument("--buffer-mib", type=int, default=None, help="packed target (default: get_target_packed_tensor_size())")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per mode (default 3, --quick 2)")
-    parser.add_argument("--sweep", action="store_true", help="packed x2 over 1..64 MiB targets instead of (b)/(c)")
+    parser.add_argument("--sweep", nargs="*", type=int, default=None, metavar="MIB",
+                        help="packed x2 over these targets in MiB (default 1 2 4 8 16 32 64) instead of (b)/(c)")
     parser.add_argument("--tensor-set", choices=["transformer", "small"], default="transformer",
                         help="transformer-shaped set (default) or 2000 x 128 KiB tensors")
     parser.add_argument("--gloo", action="store_true", help="force the two-process gloo benchmark even with CUDA")
     ns = parser.parse_args(argv)
     target = ns.buffer_mib * MiB if ns.buffer_mib else get_target_packed_tensor_size()
-    args = {"quick": ns.quick, "buffer_bytes": target, "repeats": ns.repeats or (2 if ns.quick else 3), "sweep": ns.sweep,
+    args = {"quick": ns.quick, "buffer_bytes": target, "repeats": ns.repeats or (2 if ns.quick else 3), "sweep": (ns.sweep or [1, 2, 4, 8, 16, 32, 64]) if ns.sweep is not None else None,
             "tensor_set": ns.tensor_set}
     spec = make_spec(args)
     print(f"refit benchmark: {len(spec)} tensors, {spec_bytes(spec) / 1e6:.0f} MB, packed target {target / MiB:.0f} MiB, "

@@ -22,7 +22,7 @@ choice. Both sides wait for every in-flight broadcast before returning.
 ``group`` and ``src``: see :func:`nrl_tasks.utils.collective.start_broadcast`; ``src`` is a rank
 *within* ``group`` (the group rank, not the global rank).
 
-CPU buffers are kept in a small process-wide pool and reused by later calls (fresh 64 MiB
+CPU buffers are kept in a small process-wide pool and reused by later calls (fresh
 allocations cost page faults on every refit); :func:`release_packed_buffers` frees them and
 ``NRL_REFIT_CACHE_BUFFERS=0`` disables the pool.
 """
@@ -51,10 +51,12 @@ __all__ = [
     "release_packed_buffers",
 ]
 
-#: Target chunk size on CPU (gloo). Measured by ``benchmarks.bench_refit`` on this machine:
-#: 16-64 MiB chunks are all within noise of each other once two buffers overlap packing with
-#: the wire; smaller chunks add per-call latency, larger ones delay the overlap.
-CPU_DEFAULT_TARGET_BYTES = 32 * 1024 * 1024
+#: Target chunk size on CPU (gloo). Chosen with ``python -m benchmarks.bench_refit --sweep`` on
+#: the 2-core dev machine: 2-8 MiB chunks were consistently fastest, 32-64 MiB ones 2-3x slower.
+#: On CPU the copies compete with the transport for the same cores, so small chunks win: the
+#: receive buffer is still in cache when it is unpacked, and every tensor larger than the target
+#: is sent straight from its own storage (no pack copy).
+CPU_DEFAULT_TARGET_BYTES = 4 * 1024 * 1024
 GPU_MAX_TARGET_BYTES = 5 * 1024**3
 DEFAULT_MEMORY_RATIO = 0.02
 DEFAULT_NUM_BUFFERS = 2
@@ -78,7 +80,7 @@ def get_target_packed_tensor_size() -> int:
 
     ``NRL_REFIT_BUFFER_SIZE_BYTES`` if set; on CUDA ``NRL_REFIT_BUFFER_MEMORY_RATIO``
     (default 0.02) of the device's total memory, capped at 5 GiB; otherwise
-    :data:`CPU_DEFAULT_TARGET_BYTES` (32 MiB).
+    :data:`CPU_DEFAULT_TARGET_BYTES` (4 MiB).
     """
     explicit = _env_int("NRL_REFIT_BUFFER_SIZE_BYTES")
     if explicit is not None:
