@@ -150,7 +150,7 @@ def test_merge_stop_strings():
         merge_stop_strings(None, [None, None, None], 2)
 
 
-def test_stale_version_refused_and_mark_stale(gen, batch):
+def test_stale_version_refused_and_mark_stale(gen, batch, local_model):
     assert gen.weights_version == 0
     with pytest.raises(StaleWeightsError, match="holds weights version 0, asked for version 5"):
         gen.generate(batch, greedy=True, weights_version=5)
@@ -164,6 +164,14 @@ def test_stale_version_refused_and_mark_stale(gen, batch):
         gen.set_weights_version(0)
     # set_weights_version does not clear staleness: only a complete refit does
     assert all(s["stale"] for s in gen.weights_state())
+    _restore_fresh(gen, local_model)  # a complete refit (of the original weights) clears it
+
+
+def _restore_fresh(gen, local_model):
+    import ray
+
+    ray.get(_refit(gen, hf_refit_named_tensors(local_model[0]), 0), timeout=60)
+    assert gen.weights_version == 0
 
 
 def test_refit_mismatch_names_the_parameter(gen, local_model):
