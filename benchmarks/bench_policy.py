@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {n_params / 1e6:.2f} M params; batch {rows} x {width} (valid tokens {int(batch['input_lengths'].sum())}), "
           f"mbs {mbs}, {new} new tokens per row, best of {repeats}")
     local = local_baselines(model_dir, batch, mbs, new, repeats)
-    print(f"local (no Ray, 1 thread): " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in local.items()))
+    print("local (no Ray, 1 thread): " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in local.items()))
 
     init_ray(num_cpus=8, temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     gen_cfg = {"max_new_tokens": new, "ignore_eos": True, "temperature": 1.0}

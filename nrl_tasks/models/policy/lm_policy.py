@@ -42,6 +42,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = ["Policy", "PathLike"]
 
+#: How long an already running worker may take to answer ``status()`` when re-attaching.
+PREEXISTING_STATUS_TIMEOUT_S = 30.0
+
 
 def _ray():
     import ray
@@ -65,7 +68,9 @@ class Policy:
         config: :class:`~nrl_tasks.models.policy.PolicyConfig` or its dict form.
         tokenizer: the HF tokenizer (shipped to the workers for ``generate`` and checkpoints).
         init_optimizer / init_reference_model: build AdamW+scheduler / keep the initial weights.
-        weights_path / optimizer_path: a checkpoint (``save_checkpoint`` dirs) applied at setup.
+        weights_path / optimizer_path: a checkpoint (``save_checkpoint`` dirs) applied when the
+            workers are set up; not re-applied when attaching to running workers (use
+            ``load_checkpoint``).
         processor: multimodal processors are not supported (must be ``None``).
         worker_extension_cls_fqn: ``"pkg.mod.Class"`` mixed into the worker class; its methods
             are reachable with ``run_all_workers_*_data``.
@@ -135,7 +140,8 @@ class Policy:
             bundle_indices=bundle_indices(cluster, workers_per_node),
         )
         group = RayWorkerGroup(cluster, worker_cls, **group_kwargs)
-        statuses = self._statuses(group, setup_timeout_s)
+        mixed = any(group.preexisting) and not all(group.preexisting)  # some rank died
+        statuses = None if mixed else self._statuses(group, setup_timeout_s)
         if statuses is not None and all(s["ready"] for s in statuses):
             self._check_attach(statuses, group.world_size)
             self._group = group
@@ -160,13 +166,23 @@ class Policy:
     # ---------------------------------------------------------------------- attach
     @staticmethod
     def _statuses(group: RayWorkerGroup, timeout_s: float) -> list[dict[str, Any]] | None:
+        """Every worker's ``status()``; ``None`` if one is dead or does not answer in time.
+
+        Workers that existed before (re-attach) get ``PREEXISTING_STATUS_TIMEOUT_S``: a live
+        worker answers at once unless it is stuck (e.g. in a collective with a dead peer).
+        New workers get ``timeout_s`` (process start and imports).
+        """
         ray = _ray()
-        limit = min(timeout_s, 60.0) if all(group.preexisting) else timeout_s
+        refs = group.run_all_workers_single_data("status")
+        out = []
         try:
-            return ray.get(group.run_all_workers_single_data("status"), timeout=limit)
+            for ref, old in zip(refs, group.preexisting):
+                limit = min(timeout_s, PREEXISTING_STATUS_TIMEOUT_S) if old else timeout_s
+                out.append(ray.get(ref, timeout=limit))
         except Exception as exc:  # noqa: BLE001 - dead or stuck actors are re-created
             logger.warning("Policy workers did not answer status(): %s", exc)
             return None
+        return out
 
     def _check_attach(self, statuses: list[dict[str, Any]], world_size: int) -> None:
         running = PolicyConfig.model_validate(statuses[0]["config"])
@@ -250,7 +266,16 @@ class Policy:
 
     @staticmethod
     def _get(refs: Any) -> Any:
-        return _ray().get(refs)
+        """``ray.get`` that raises as soon as any worker failed (a dead rank must not leave the
+        caller waiting on a peer blocked in a collective)."""
+        ray = _ray()
+        if not isinstance(refs, list) or len(refs) < 2:
+            return ray.get(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+        return ray.get(refs)
 
     # ------------------------------------------------------------------ dispatch
     def run_all_workers_single_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -470,23 +495,23 @@ class Policy:
         return all(self._all("invalidate_kv_cache"))
 
     def finish_inference(self) -> None:
-        """GPU: offload weights to CPU; CPU: garbage collection only."""
+        """GPU: offload weights to CPU; CPU: nothing to do."""
         self._all("finish_inference")
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        """Free gradients and collect garbage."""
+        """Free gradients (GPU: also empty the CUDA cache)."""
         self._all("finish_training")
 
     def offload_before_refit(self) -> None:
-        """GPU: optimizer state to CPU; CPU: free gradients, gc."""
+        """GPU: optimizer state to CPU; CPU: free gradients."""
         self._all("offload_before_refit")
 
     def offload_after_refit(self) -> None:
-        """GPU: weights and optimizer state to CPU; CPU: free gradients, gc."""
+        """GPU: weights and optimizer state to CPU; CPU: nothing to move."""
         self._all("offload_after_refit")
 
     def offload_to_cpu(self) -> None:
-        """GPU: everything to CPU; CPU: nothing to move (gc only)."""
+        """GPU: everything to CPU; CPU: nothing to move."""
         self._all("offload_to_cpu")
 
     def get_free_memory_bytes(self) -> int:

@@ -18,6 +18,7 @@ from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.interfaces import ColocatablePolicyInterface
 from nrl_tasks.models.policy.lm_policy import Policy
 
 from nrl_tasks.models.policy.workers import sharding
@@ -200,11 +201,10 @@ def test_second_process_attaches_by_name(policy2, ray_session, tiny_model_dir, n
         import json, sys
         sys.path.insert(0, {REPO!r})
         import ray
-        from transformers import AutoTokenizer
         from nrl_tasks.models.policy.lm_policy import Policy
         from tests.models.policy.helpers import make_batch
         ray.init(address={ray_session!r}, log_to_driver=False)
-        policy = Policy.attach(None, AutoTokenizer.from_pretrained({tiny_model_dir!r}), namespace={namespace!r})
+        policy = Policy.attach(None, None, namespace={namespace!r})  # no tokenizer needed to score
         lp = policy.get_logprobs(make_batch(5, {WIDTH}, seed=4, rl_keys=False))["logprobs"]
         print(json.dumps({{"dp": policy.data_parallel_size, "version": policy.weights_version, "lp": lp.tolist()}}))
         """
@@ -312,6 +312,7 @@ def test_topk_generate_and_lifecycle(policy2, tmp_path):
     torch.testing.assert_close(relp[gen_mask], out["logprobs"][gen_mask], rtol=0, atol=1e-4)
     assert torch.equal(lp, policy.get_logprobs(batch)["logprobs"])
 
+    assert isinstance(policy, ColocatablePolicyInterface)
     assert policy.prepare_for_generation() and policy.finish_generation() and policy.invalidate_kv_cache()
     policy.prepare_for_lp_inference()
     policy.prepare_for_training()
@@ -365,3 +366,26 @@ def test_bad_calls_raise_clear_errors(policy2, tiny_model_dir, tokenizer, ray_se
         Policy(cluster, _config(tiny_model_dir, num_cpus_per_worker=4), tokenizer, name_prefix="bad")
     with pytest.raises(ValueError, match="processor"):
         Policy(cluster, _config(tiny_model_dir), tokenizer, name_prefix="bad", processor=object())
+
+
+def test_half_dead_policy_is_recreated(policy2, tokenizer, namespace, tiny_model_dir):
+    """Runs last in this module: a killed rank makes the next ``Policy(...)`` with the same names
+    kill the survivor and start both ranks afresh (initial weights, version 0)."""
+    import ray
+
+    policy, _ = policy2
+    before = [s["pid"] for s in policy.run_all_workers_single_data("status")]
+    policy.train(make_batch(8, WIDTH, seed=30), NLLLossFn())
+    ray.kill(policy.worker_group.workers[1], no_restart=True)
+    again = Policy(policy.cluster, policy.cfg, tokenizer, name_prefix="lm_policy", namespace=namespace)
+    try:
+        after = [s["pid"] for s in again.run_all_workers_single_data("status")]
+        assert set(after).isdisjoint(before)
+        assert again.weights_version == 0
+        batch = make_batch(4, WIDTH, seed=31, rl_keys=False)
+        torch.testing.assert_close(
+            again.get_logprobs(batch)["logprobs"], _hf_logprobs(tiny_model_dir, batch, again.cfg.temperature),
+            rtol=0, atol=1e-5,
+        )
+    finally:
+        again.shutdown()

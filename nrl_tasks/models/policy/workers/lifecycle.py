@@ -2,7 +2,9 @@
 
 On a GPU worker the model lives on ``cuda``; ``offload_*`` move weights and optimizer state to
 CPU and ``prepare_*`` move them back. On a CPU worker there is nothing to move: these methods
-switch train/eval mode, free gradients and run the garbage collector, as their docstrings say.
+switch train/eval mode and free gradients (tensors are freed by reference counting; a full
+``gc.collect()`` costs seconds in a process that imported torch and transformers, so it runs only
+on GPU workers, before ``torch.cuda.empty_cache()``), as their docstrings say.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ class LifecycleMixin:
         return True
 
     def finish_inference(self) -> None:
-        """GPU: offload weights to CPU; CPU: only a garbage-collection pass."""
+        """GPU: offload weights to CPU and empty the CUDA cache; CPU: nothing to do."""
         self.offload_to_cpu(optimizer=False)
 
     def finish_training(self) -> None:
-        """Free gradients (``set_to_none``) and collect garbage; GPU memory is returned to the cache."""
+        """Free gradients (``set_to_none``); on GPU also collect garbage and empty the CUDA cache."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         elif self.model is not None:
@@ -61,7 +63,7 @@ class LifecycleMixin:
         self._collect()
 
     def offload_before_refit(self) -> None:
-        """GPU: optimizer state to CPU (weights stay for the broadcast). CPU: free grads and gc."""
+        """GPU: optimizer state to CPU (weights stay for the broadcast). CPU: free gradients."""
         self.finish_training()
         if self.device.type == "cuda" and self.optimizer is not None:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
@@ -69,11 +71,11 @@ class LifecycleMixin:
         self._collect()
 
     def offload_after_refit(self) -> None:
-        """GPU: weights and optimizer state to CPU. CPU: free grads and gc."""
+        """GPU: weights and optimizer state to CPU (compute calls move them back). CPU: nothing to move."""
         self.offload_to_cpu(optimizer=True)
 
     def offload_to_cpu(self, optimizer: bool = True) -> None:
-        """GPU: move weights (and optimizer state) to CPU. CPU: nothing to move; gc only."""
+        """GPU: move weights (and optimizer state) to CPU. CPU: nothing to move."""
         if self.device.type == "cuda" and self.model is not None:
             self.model.to("cpu")
             if optimizer and self.optimizer is not None:
@@ -89,16 +91,23 @@ class LifecycleMixin:
             self._offloaded = False
 
     def _collect(self) -> None:
-        gc.collect()
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def get_free_memory_bytes(self) -> int:
-        """Free device memory: ``cudaMemGetInfo`` on GPU, available system RAM (psutil) on CPU."""
+        """Free device memory: ``cudaMemGetInfo`` on GPU, available system RAM on CPU (psutil,
+        else ``MemAvailable`` of ``/proc/meminfo``)."""
         if self.device.type == "cuda":
             return int(torch.cuda.mem_get_info(self.device)[0])
-        import psutil
-
+        try:
+            import psutil
+        except ImportError:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            raise RuntimeError("cannot read the available memory (no psutil, no /proc/meminfo)") from None
         return int(psutil.virtual_memory().available)
 
     def node_ip_and_gpu_id(self) -> tuple[str, int]:

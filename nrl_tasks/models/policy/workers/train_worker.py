@@ -204,6 +204,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         """``{"logprobs": [B, S]}`` float32 on CPU for this shard (NeMo-RL layout)."""
         self._require_ready()
         self._check_causal_lm("get_logprobs")
+        self._to_device()  # back from an offload, if any
         _check_inputs(data)
         width = data["input_ids"].shape[1]
         if data.size == 0:
@@ -249,6 +250,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         """
         self._require_ready()
         self._check_causal_lm("get_topk_logits")
+        self._to_device()  # back from an offload, if any
         _check_inputs(data)
         batch, width = data["input_ids"].shape
         values = torch.zeros(batch, width, k, dtype=torch.float32)
@@ -287,6 +289,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         """
         self._require_ready()
         self._check_causal_lm("train")
+        self._to_device()  # back from an offload, if any
         _check_inputs(data)
         if not eval_mode and self.optimizer is None:
             raise ValueError("this policy was created with init_optimizer=False: it cannot train")
@@ -378,6 +381,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         """In-process HF sampling with this worker's live weights (colocated use)."""
         self._require_ready()
         self._check_causal_lm("generate")
+        self._to_device()  # back from an offload, if any
         gen = self.cfg.generation
         if gen is None:
             raise ValueError("Policy.generate needs a 'generation' section in the policy config")
@@ -413,6 +417,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._require_ready()
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("Policy.score needs reward_model_cfg.enabled (a sequence-classification model)")
+        self._to_device()
         _check_inputs(data)
         if data.size == 0:
             return BatchedDataDict({"scores": torch.zeros(0, dtype=torch.float32)})
