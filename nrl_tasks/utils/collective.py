@@ -150,7 +150,7 @@ class BroadcastGroup:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
-        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda")
+        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self._closed = False
 
     def _check_open(self) -> None:
@@ -394,9 +394,8 @@ class BufferPool:
     """Process-wide cache of CPU byte buffers, so repeated refits reuse warm (faulted-in) memory.
 
     Keeps at most ``max_cached_bytes`` bytes (largest dropped first) in at most ``max_cached``
-    buffers (smallest dropped first);
-    ``NRL_REFIT_CACHE_BUFFERS=0`` disables caching. CUDA buffers are never cached (torch's
-    caching allocator already reuses them).
+    buffers (smallest dropped first); ``NRL_REFIT_CACHE_BUFFERS=0`` disables caching. CUDA
+    buffers are never cached (torch's caching allocator already reuses them).
     """
 
     def __init__(self, max_cached: int = 4, max_cached_bytes: int = 512 * 1024 * 1024) -> None:
@@ -446,6 +445,8 @@ class BroadcastPipeline:
 
     def __init__(self, group: Any, src: int, max_in_flight: int, target: int, device: torch.device) -> None:
         self.group, self.src, self.max_in_flight, self.target = group, src, max_in_flight, target
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._free: list[torch.Tensor] = []
         self._inflight: deque[tuple[BroadcastHandle, torch.Tensor | None, Any]] = deque()
