@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-vllm demo bench bench-quick smollm2 clean
+.PHONY: install test test-slow test-all test-vllm demo bench bench-quick smollm2 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,8 +16,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Fast suite (CI's gate, < 15 min on 2 cores). `make test-slow` runs the long fault, scale-out and
+# soak suites (marked `slow`); `make test-all` runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: test test-slow
 
 demo: $(STAMP)
 	$(BIN)/python -m flows.demo
