@@ -34,6 +34,10 @@ def _ray():
 
 
 _ENV_KWARG = "_nrl_worker_env"
+#: Concurrency group (one thread) of every actor made from a plain class: methods marked
+#: ``@ray.method(concurrency_group=CONTROL_GROUP)`` (e.g. a status query) answer while the
+#: default group is busy with a long call.
+CONTROL_GROUP = "control"
 
 
 def _with_env(cls: type) -> type:
@@ -55,10 +59,13 @@ def _world_size_of(handle) -> int | None:
 
         return int(_os.environ.get("NRL_WORKER_WORLD_SIZE", "0")) or None
 
-    try:
-        return ray.get(handle.__ray_call__.remote(_read), timeout=60)
-    except Exception:  # noqa: BLE001 - dead or busy actor: caller decides
-        return None
+    for group in (CONTROL_GROUP, None):
+        try:
+            call = handle.__ray_call__.options(concurrency_group=group) if group else handle.__ray_call__
+            return ray.get(call.remote(_read), timeout=60)
+        except Exception:  # noqa: BLE001 - no control group, dead or busy actor: caller decides
+            continue
+    return None
 
 
 class RayWorkerGroup:
@@ -142,7 +149,9 @@ class RayWorkerGroup:
         is_ray_cls = hasattr(actor_cls, "options") and hasattr(actor_cls, "remote")
         # a plain class gets its environment in the constructor: a per-actor runtime_env would
         # cost seconds per actor (Ray cannot reuse a worker process for it)
-        remote_cls = actor_cls if is_ray_cls else ray.remote(_with_env(actor_cls))
+        remote_cls = (
+            actor_cls if is_ray_cls else ray.remote(concurrency_groups={CONTROL_GROUP: 1})(_with_env(actor_cls))
+        )
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.preexisting: list[bool] = []
@@ -282,10 +291,17 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ lifecycle
     def alive(self, timeout_s: float = 30.0) -> bool:
-        """True when every worker answers a no-op call within ``timeout_s``."""
+        """True when every worker answers a no-op call within ``timeout_s`` (in the control
+        group, so a worker busy with a long call still counts as alive)."""
         ray = _ray()
+        refs = []
+        for w in self._workers:
+            try:
+                refs.append(w.__ray_ready__.options(concurrency_group=CONTROL_GROUP).remote())
+            except Exception:  # noqa: BLE001 - an actor class without the control group
+                refs.append(w.__ray_ready__.remote())
         try:
-            ray.get([w.__ray_ready__.remote() for w in self._workers], timeout=timeout_s)
+            ray.get(refs, timeout=timeout_s)
             return True
         except Exception:  # noqa: BLE001 - dead, busy or missing actor
             return False

@@ -264,6 +264,11 @@ class Policy:
         self._weights_version = int(self._get(self.worker_group.run_single_worker(0, "get_weights_version")))
         return self._weights_version
 
+    def worker_status(self) -> list[dict[str, Any]]:
+        """Per rank: ``ready``, ``busy`` (the call in progress, or None), ``weights_version``,
+        ``pid``, ``config_hash``. Answered by a control thread, so it returns during a long call."""
+        return self._get(self.worker_group.run_all_workers_single_data("status"))
+
     @staticmethod
     def _get(refs: Any) -> Any:
         """``ray.get`` that raises as soon as any worker failed (a dead rank must not leave the

@@ -368,6 +368,30 @@ def test_bad_calls_raise_clear_errors(policy2, tiny_model_dir, tokenizer, ray_se
         Policy(cluster, _config(tiny_model_dir), tokenizer, name_prefix="bad", processor=object())
 
 
+def test_status_answers_during_a_long_call(policy2):
+    """A second process re-attaching while the actors train must see them alive and busy."""
+    import time
+
+    import ray
+
+    policy, _ = policy2
+    big = make_batch(128, WIDTH, seed=40)
+    refs = policy.worker_group.run_all_workers_sharded_data(
+        "train", policy._shard_for_train(big, 8), NLLLossFn(), eval_mode=True, gbs=8, mbs=1
+    )
+    try:
+        deadline, seen = time.monotonic() + 30, set()
+        while time.monotonic() < deadline and not ray.wait(refs, num_returns=len(refs), timeout=0)[0]:
+            seen |= {s["busy"] for s in policy.worker_status()}
+            if "train" in seen:
+                break
+        assert "train" in seen
+    finally:
+        ray.get(refs)
+    assert {s["busy"] for s in policy.worker_status()} == {None}
+    assert policy.worker_group.alive(timeout_s=10)
+
+
 def test_half_dead_policy_is_recreated(policy2, tokenizer, namespace, tiny_model_dir):
     """Runs last in this module: a killed rank makes the next ``Policy(...)`` with the same names
     kill the survivor and start both ranks afresh (initial weights, version 0)."""

@@ -22,10 +22,12 @@ import os
 import time
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
 from nrl_tasks.models.policy.workers.logprobs import (
@@ -85,6 +87,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self.reference: dict[str, torch.Tensor] | None = None
         self._profiler: Any = None
         self._offloaded = False
+        self._busy: str | None = None
         configure_determinism(self.cfg.deterministic, self.cfg.torch_num_threads)
         self.device = self._pick_device()
 
@@ -102,10 +105,13 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         ip = get_node_ip()
         return ip, find_free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def status(self) -> dict[str, Any]:
-        """Whether this actor is set up, with which config, at which weights version."""
+        """Whether this actor is set up, with which config, at which weights version, and the
+        call it is busy with (answers from the control thread, even during a long call)."""
         return {
             "ready": self.ready,
+            "busy": self._busy,
             "rank": self.rank,
             "world_size": self.world_size,
             "config_hash": self.cfg.config_hash(),
@@ -313,13 +319,17 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             raise ValueError(f"ranks hold different numbers of global batches: {[int(c) for c in gathered]}")
 
         self.model.train()
+        self._busy = "train"
         results: dict[str, Any] = {
             "global_loss": [], "grad_norm": [], "lr": [], "global_valid_toks": [], "global_valid_seqs": [],
             "num_microbatches": [], "all_mb_metrics": {},
         }
         start = time.perf_counter()
-        for gb in global_batches:
-            self._train_global_batch(gb, loss_fn, eval_mode, mbs, results)
+        try:
+            for gb in global_batches:
+                self._train_global_batch(gb, loss_fn, eval_mode, mbs, results)
+        finally:
+            self._busy = None
         if not eval_mode:
             self.weights_version += 1
         results["weights_version"] = self.weights_version
