@@ -140,12 +140,21 @@ class CheckpointingConfig(_Section):
     enabled: bool = True
     save_period: int = Field(10, ge=1, description="checkpoint every N steps (and at the end)")
     keep_last_k: int | None = Field(None, ge=1, description="retention: keep only the newest K (None: all)")
+    keep_top_k: int | None = Field(None, ge=1, description="retention: also keep the K best by metric_name (None: off)")
+    metric_name: str = Field("val_accuracy", description="metrics.jsonl column ranking checkpoints for keep_top_k")
+    higher_is_better: bool = True
     save_optimizer: bool = True
 
 
 class RayConfig(_Section):
     address: str | None = Field(None, description="GCS address of a running cluster (None: RAY_ADDRESS or local)")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (None: default)")
+    policy_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per policy worker bundle (node placement)"
+    )
+    generation_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per generation worker bundle (node placement)"
+    )
 
 
 class ClusterConfig(_Section):
@@ -344,7 +353,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "storage": True,
     "logger": True,
     "grpo": {"max_num_steps", "refit"},
-    "checkpointing": {"save_period", "keep_last_k"},
+    "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
 }
 
 

@@ -125,6 +125,8 @@ class Runtime:
         from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 
         name = f"{self.run_id}-{role}"
+        ray_cfg = self.cfg.cluster.ray  # custom resources pin a group to the nodes that have them
+        extra = {"policy": ray_cfg.policy_resources, "generation": ray_cfg.generation_resources}.get(role)
         cl = RayVirtualCluster(
             [workers],
             use_gpus=self.cfg.cluster.gpus_per_node > 0,
@@ -132,6 +134,7 @@ class Runtime:
             name=name,
             namespace=self.namespace,
             num_cpus_per_bundle=cpus,
+            resources_per_bundle=dict(extra or {}),
         )
         self.clusters[role] = cl
         return cl
