@@ -149,7 +149,7 @@ def test_logprobs_match_hf_forward_and_reference_stays(policy2, tiny_model_dir, 
     torch.testing.assert_close(lp1, _hf_logprobs(str(tmp_path / "now"), batch, temperature), rtol=0, atol=1e-5)
 
 
-def test_checkpoint_round_trip_and_bit_identical_resume(policy2, tiny_model_dir, tmp_path):
+def test_checkpoint_round_trip_and_bit_identical_resume(policy2, local_worker, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     policy, fresh = policy2
@@ -190,6 +190,14 @@ def test_checkpoint_round_trip_and_bit_identical_resume(policy2, tiny_model_dir,
 
     with pytest.raises(ValueError, match="not a directory"):
         policy.load_checkpoint(str(tmp_path / "missing"))
+
+    # a DP=1 worker restores the DP=2 checkpoint (optimizer state is the same on every rank)
+    local_worker.load_checkpoint(str(ckpt / "policy"), str(ckpt / "optimizer"))
+    assert local_worker.weights_version == 2
+    for name, tensor in local_worker.model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    steps = {int(v["step"]) for v in local_worker.optimizer.state.values()}
+    assert steps == {2}
 
 
 def test_second_process_attaches_by_name(policy2, ray_session, tiny_model_dir, namespace):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ from nrl_tasks.models.policy.workers import checkpointing as ckpt
 from nrl_tasks.models.policy.workers.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["CheckpointMixin"]
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointMixin:
@@ -74,12 +77,16 @@ class CheckpointMixin:
             raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
         document = ckpt.read_optimizer_json(path)
         saved_dp = int(document.get("data_parallel_size", self.world_size))
+        source_rank = self.rank
         if saved_dp != self.world_size:
-            raise ValueError(
-                f"checkpoint {path!r} was written by {saved_dp} data-parallel ranks, this policy has "
-                f"{self.world_size} (RNG states are per rank)"
+            # optimizer state is identical on every rank; RNG streams are per rank, so training
+            # continues correctly but not bit-identically to a run at the old size
+            source_rank = min(self.rank, saved_dp - 1)
+            logger.warning(
+                "checkpoint %s was written by %d data-parallel ranks, this policy has %d: rank %d "
+                "takes the RNG state of rank %d", path, saved_dp, self.world_size, self.rank, source_rank,
             )
-        rng = ckpt.load_rng_files(path, self.rank)  # fail before touching the optimizer
+        rng = ckpt.load_rng_files(path, source_rank)  # fail before touching the optimizer
         ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path)
         restore_rng_state(*rng)
         self.weights_version = int(document.get("weights_version", self.weights_version))
