@@ -208,12 +208,15 @@ class Policy:
         """Attach to a running Policy by name (from any process connected to its Ray cluster).
 
         ``config=None`` adopts the running config; otherwise it must equal it (``ValueError``
-        naming the differing keys). Raises ``LookupError`` if the actors do not exist and
-        ``RuntimeError`` if they exist but are not set up.
+        naming the differing keys). Raises ``LookupError`` if an actor does not exist and
+        ``RuntimeError`` if they exist but a rank is dead, unreachable or not set up.
         """
         ray = _ray()
         group = RayWorkerGroup.attach(name_prefix, namespace)
-        statuses = ray.get(group.run_all_workers_single_data("status"), timeout=timeout_s)
+        try:
+            statuses = ray.get(group.run_all_workers_single_data("status"), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead or unreachable rank
+            raise RuntimeError(f"Policy {name_prefix!r} in {namespace!r} is not healthy: {exc}") from exc
         not_ready = [s["rank"] for s in statuses if not s["ready"]]
         if not_ready:
             raise RuntimeError(f"Policy {name_prefix!r} in {namespace!r}: ranks {not_ready} are not set up")
@@ -462,7 +465,9 @@ class Policy:
         return self._get(self.worker_group.run_single_worker(0, "prepare_refit_info"))
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        """Policy rank 0 joins the refit broadcast group as its rank 0; returns ObjectRefs."""
+        """Policy rank 0 joins the refit broadcast group as its rank 0; returns ObjectRefs (one
+        per rank: True for rank 0, False for the others). ``train_world_size`` is accepted for
+        NeMo-RL compatibility; only rank 0 joins whatever the data-parallel size."""
         return self.worker_group.run_all_workers_single_data(
             "init_collective", ip, port, world_size, train_world_size=train_world_size
         )

@@ -115,5 +115,5 @@ def test_worker_errors(worker):
     assert worker.get_logprobs(batch.slice(0, 0))["logprobs"].shape == (0, WIDTH)
     with pytest.raises(ValueError, match="kv_scales"):
         worker.broadcast_weights_for_collective(kv_scales={"a": 1.0})
-    with pytest.raises(ValueError, match="train_world_size must be 1"):
-        worker.init_collective("127.0.0.1", 1, 2, train_world_size=2)
+    with pytest.raises(ValueError, match="train_world_size must be a positive int"):
+        worker.init_collective("127.0.0.1", 1, 2, train_world_size=0)

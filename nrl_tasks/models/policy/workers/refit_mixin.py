@@ -66,12 +66,14 @@ class RefitMixin:
         return self._refit_info.to_dict()
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int = 1) -> bool:
-        """Rank 0 joins the stateless broadcast group as group rank 0 (blocks until all join)."""
+        """Rank 0 joins the stateless broadcast group as group rank 0 (blocks until all join).
+
+        ``train_world_size`` (NeMo-RL's argument) is accepted and not used: whatever the
+        data-parallel size, only policy rank 0 joins the group (the ranks hold equal weights).
+        """
         self._require_ready()
-        if train_world_size != 1:
-            raise ValueError(
-                f"train_world_size must be 1: only policy rank 0 joins the refit group, got {train_world_size}"
-            )
+        if isinstance(train_world_size, bool) or not isinstance(train_world_size, int) or train_world_size < 1:
+            raise ValueError(f"train_world_size must be a positive int, got {train_world_size!r}")
         if self.rank != 0:
             return False
         from nrl_tasks.utils.collective import create_broadcast_group
