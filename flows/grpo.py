@@ -266,6 +266,7 @@ def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) 
         refit.with_options(retries=rcfg.retries, retry_delay_seconds=rcfg.retry_delay_s)(cfg, rt.run_id, 0, force=True, step=0)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
         validate(cfg, rt.run_id, 0, 0)
+    step_wall: list[float] = []
     for step in range(last + 1, max_steps + 1):
         t0 = time.perf_counter()
         _rename_flow_run(f"{rt.run_id}-step{step:04d}")
@@ -274,7 +275,8 @@ def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) 
             rt, cfg, step, manifests, chash=chash, max_steps=max_steps, force_refit=False,
             t_start=t0, progress=progress,
         )
-    return {"restored": restored, "first_step": last + 1}
+        step_wall.append(time.perf_counter() - t0)
+    return {"restored": restored, "first_step": last + 1, "step_wall_s": step_wall}
 
 
 @flow(name="grpo", flow_run_name=_flow_run_name, validate_parameters=False, persist_result=False)

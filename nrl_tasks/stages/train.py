@@ -87,6 +87,12 @@ def _load_inputs(rt: Any, step: int) -> BatchedDataDict:
     return build_train_data(*parts)
 
 
+def _check_version(policy: Any, step: int) -> None:
+    """``Policy.train`` bumps the version once per (non-eval) call: after step N it must be N."""
+    if policy.weights_version != step:
+        raise RuntimeError(f"after train of step {step} the policy reports weights version {policy.weights_version}")
+
+
 def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
     """Re-run the committed ``train`` of ``step`` from its persisted inputs (after a restore).
 
@@ -100,7 +106,7 @@ def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
     meta = stage_meta(manifest)
     data = _load_inputs(rt, step)
     run_train(rt.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
-    rt.policy.set_weights_version(step)
+    _check_version(rt.policy, step)
     expected = meta.get("weights_checksum")
     if expected:
         got = rt.policy.weights_checksum()
@@ -138,7 +144,7 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
         metrics = run_train(
             rt.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size
         )
-    rt.policy.set_weights_version(step)
+    _check_version(rt.policy, step)
     fault_point("train", step, "during")
     checksum = rt.policy.weights_checksum() if cfg.logger.weights_checksum else None
     tokens = int(data["input_lengths"].sum())

@@ -1,0 +1,108 @@
+"""SFT warm start: supervised fine-tuning on (prompt, answer) pairs with ``NLLLossFn``.
+
+``sft(config, run_id, num_steps)`` trains the configured policy on the prompt dataset's
+reference answers (completion ``" " + answer + EOS``; only completion tokens count in the loss)
+on the same Ray-hosted ``Policy``, then saves an HF-loadable checkpoint under
+``<storage>/<run_id>/checkpoints/step_NNNNNN/weights``, which a GRPO run can start from
+(``policy.model_name=<that folder>``). Each training step is a Prefect task; the draw of step
+``k`` is deterministic (same scheme as GRPO, on a separate seed stream).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from prefect import flow, get_run_logger, task
+
+from flows.config import MasterConfig
+from flows.grpo import new_run_id, resolve_config
+from flows.run_layout import RunLayout, validate_run_id
+from flows.runtime import Runtime, connect_ray, get_runtime, load_tokenizer, namespace_for, register_runtime, shutdown_runtime
+from nrl_tasks.stages.common import TASK_DEFAULTS
+
+__all__ = ["build_sft_batch", "sft"]
+
+
+def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any, max_len: int) -> Any:
+    """``input_ids, input_lengths, token_mask, sample_mask`` for prompt + ``" answer"`` + EOS."""
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+    from nrl_tasks.stages.data import format_prompt
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    rows = []
+    for r in records:
+        p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
+        a = tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] + [eos]
+        rows.append((p[-(max_len - len(a)) :], a))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
+        mask[i, len(p) : len(p) + len(a)] = 1.0
+    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64)
+    return BatchedDataDict(
+        {"input_ids": ids, "input_lengths": lengths, "token_mask": mask, "sample_mask": torch.ones(len(rows))}
+    )
+
+
+@task(name="sft-train", task_run_name="sft-{run_id}-step{step}", **TASK_DEFAULTS)
+def sft_step(cfg: MasterConfig, run_id: str, step: int, batch_size: int, seed: int) -> dict[str, float]:
+    """One NLL update on the records of ``step``."""
+    from nrl_tasks.algorithms.loss_functions import NLLLossFn
+    from nrl_tasks.stages.data import step_record_indices
+    from nrl_tasks.stages.train import train_metrics
+
+    rt = get_runtime(cfg, run_id)
+    recs = rt.train_records()
+    idx = step_record_indices(num_records=len(recs), step=step, num_prompts=batch_size, seed=seed, shuffle=True)
+    data = build_sft_batch([recs[i] for i in idx], rt.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    t = time.perf_counter()
+    res = rt.policy.train(data, NLLLossFn(), gbs=batch_size, mbs=min(cfg.policy.train_micro_batch_size, batch_size))
+    m = train_metrics(res)
+    return {"step": step, "loss": m.get("loss"), "seconds": time.perf_counter() - t}
+
+
+@flow(name="sft", flow_run_name="sft-{run_id}", validate_parameters=False, persist_result=False)
+def sft(
+    config: str | dict | MasterConfig | None = None,
+    run_id: str | None = None,
+    num_steps: int = 60,
+    batch_size: int = 32,
+    overrides: list[str] | None = None,
+    storage: str | None = None,
+    lr: float | None = None,
+) -> dict[str, Any]:
+    """Supervised warm start; returns ``{"run_id", "weights", "checkpoint", "losses"}``.
+
+    ``lr`` overrides ``policy.optimizer.kwargs.lr`` for the warm start only."""
+    from nrl_tasks.stages.checkpoint import save_checkpoint
+
+    logger = get_run_logger()
+    overrides = list(overrides or []) + ([f"policy.optimizer.kwargs.lr={lr}"] if lr is not None else [])
+    cfg = resolve_config(config, overrides, storage)
+    run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
+    layout = RunLayout(cfg.storage.root, run_id)
+    connect_ray(cfg)
+    rt = Runtime(cfg=cfg, run_id=run_id, layout=layout, namespace=namespace_for(run_id), tokenizer=load_tokenizer(cfg))
+    rt.start_policy()
+    register_runtime(rt)
+    losses = []
+    try:
+        seed = cfg.grpo.seed + 1_000_003  # a draw independent of the GRPO run's
+        for step in range(1, num_steps + 1):
+            out = sft_step(cfg, run_id, step, batch_size, seed)
+            losses.append(out["loss"])
+            if step % 10 == 0 or step == num_steps:
+                logger.info("sft step %d/%d loss %.4f", step, num_steps, out["loss"])
+        uri = layout.checkpoint_uri(num_steps)
+        save_checkpoint(
+            rt.policy, uri, {"run_id": run_id, "step": num_steps, "weights_version": rt.policy.weights_version, "kind": "sft"},
+            save_optimizer=False, storage_options=rt.storage_options,
+        )
+    finally:
+        shutdown_runtime(run_id)
+    return {"run_id": run_id, "checkpoint": uri, "weights": f"{uri}/weights", "losses": losses}
