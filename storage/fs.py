@@ -15,6 +15,10 @@ S3 configuration comes from explicit ``storage_options`` (s3fs keyword arguments
 No region is forced (s3fs with ``region_name="us-east-1"`` breaks bucket creation).
 Credentials never appear in errors or reprs: use :func:`mask_options` to show options.
 
+Remote filesystems returned by :func:`resolve` retry transient failures (endpoint down,
+connection reset, throttling, HTTP 5xx) with exponential backoff per ``storage.retry``; after
+the last attempt a ``StorageUnavailableError`` (an ``OSError``) names the operation and path.
+
 s3fs caches directory listings per filesystem instance; every query here that depends on
 what exists (``exists``, ``list_dir``, ``walk_files``) drops the cache for its path first, so
 writes by other processes are seen.
@@ -31,8 +35,12 @@ from typing import Any, Mapping
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from storage.retry import call_with_retry, is_transient
+
 __all__ = [
     "TMP_MARKER",
+    "RetryingFileSystem",
+    "check_writable",
     "download_dir",
     "exists",
     "fsync_dir",
@@ -146,6 +154,74 @@ def s3_options(storage_options: Mapping[str, Any] | None = None) -> dict[str, An
     return opts
 
 
+def _one_botocore_attempt(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with botocore's own retries off unless configured: ``storage.retry`` decides."""
+    config_kwargs = dict(opts.get("config_kwargs") or {})
+    if "retries" not in config_kwargs:
+        config_kwargs["retries"] = {"max_attempts": 1, "mode": "standard"}
+        opts = {**opts, "config_kwargs": config_kwargs}
+    return opts
+
+
+#: Methods of a remote filesystem that are retried on transient errors (all idempotent).
+_RETRIED = frozenset(
+    {
+        "cat", "cat_file", "cat_ranges", "du", "exists", "find", "get", "get_file", "glob", "head",
+        "info", "isdir", "isfile", "ls", "makedirs", "mkdir", "pipe", "pipe_file", "put", "put_file",
+        "size", "sizes", "tail", "touch", "call_s3",
+    }
+)
+_DELETES = frozenset({"rm", "rm_file", "rmdir"})
+
+
+class RetryingFileSystem:
+    """A remote fsspec filesystem whose idempotent calls retry transient errors (``storage.retry``).
+
+    Attribute access is delegated; the calls in ``_RETRIED`` and the deletes go through
+    :func:`storage.retry.call_with_retry` (a delete that finds nothing on a retry succeeded
+    earlier). ``cat(..., on_error="return")`` results holding a transient error count as a
+    failed call.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self._fs = fs
+
+    @property
+    def wrapped(self) -> fsspec.AbstractFileSystem:
+        return self._fs
+
+    def __repr__(self) -> str:
+        return f"RetryingFileSystem({type(self._fs).__name__})"  # never the options (credentials)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if name not in _RETRIED and name not in _DELETES:
+            return attr
+        proto = getattr(self._fs, "protocol", "remote")
+        proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            target = args[0] if args else kwargs.get("path", "")
+            if isinstance(target, Mapping):
+                target = list(target)
+            if isinstance(target, (list, tuple)):
+                target = f"{target[0]} (+{len(target) - 1} more)" if len(target) > 1 else (target or [""])[0]
+
+            def once() -> Any:
+                out = attr(*args, **kwargs)
+                if isinstance(out, dict):
+                    for value in out.values():
+                        if isinstance(value, BaseException) and is_transient(value):
+                            raise value
+                return out
+
+            return call_with_retry(
+                once, what=f"{name} {proto}://{target}", on_retry_missing_ok=name in _DELETES
+            )
+
+        return call
+
+
 def resolve(
     uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -161,10 +237,10 @@ def resolve(
     if is_local(text):
         return _LOCAL, _local_path(text).rstrip("/") or "/"
     if is_s3(text):
-        fs = fsspec.filesystem("s3", **s3_options(storage_options))
-        return fs, text.split("://", 1)[1].rstrip("/")
+        fs = fsspec.filesystem("s3", **_one_botocore_attempt(s3_options(storage_options)))
+        return RetryingFileSystem(fs), text.split("://", 1)[1].rstrip("/")  # type: ignore[return-value]
     fs, path = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
-    return fs, path.rstrip("/")
+    return RetryingFileSystem(fs), path.rstrip("/")  # type: ignore[return-value]
 
 
 def invalidate_cache(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -178,7 +254,29 @@ def exists(uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | Non
     """Whether a file or directory (prefix) exists at ``uri`` (fresh, not from a cache)."""
     fs, path = resolve(uri, storage_options)
     invalidate_cache(fs, path)
+    if is_s3(uri) and "/" not in path:  # s3fs answers False for a bucket when the endpoint is down
+        try:
+            fs.call_s3("head_bucket", Bucket=path)
+        except FileNotFoundError:
+            return False
+        return True
     return bool(fs.exists(path))
+
+
+def check_writable(uri: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> None:
+    """Prove that files can be created under ``uri`` by writing and deleting a small probe.
+
+    A real write, not a permission-bit check (root ignores those; S3 policies are invisible).
+    Raises ``PermissionError`` (or the filesystem's ``OSError``) naming ``uri``.
+    """
+    probe = join(uri, f".nrl-write-probe{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+    try:
+        write_bytes_atomic(probe, b"nrl write probe\n", storage_options)
+    except OSError as exc:
+        if isinstance(exc, PermissionError) or exc.errno in (13, 30):  # EACCES, EROFS
+            raise PermissionError(f"{uri} is not writable: {exc.strerror or exc}") from None
+        raise
+    remove(probe, storage_options=storage_options)
 
 
 def list_dir(
