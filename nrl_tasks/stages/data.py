@@ -3,7 +3,8 @@
 Records are ``{"prompt": str, "answer": str}``. A user file is JSONL, Parquet or Arrow
 (IPC file or stream), local or ``s3://``; the columns are named by ``data.prompt_key`` and
 ``data.answer_key``. Problems (missing column or field, empty prompt, non-UTF-8 bytes) raise
-``ValueError`` naming the file and row.
+``ValueError`` naming the file, row (and line, for JSONL) and field; :func:`check_prompt_lengths`
+checks the whole dataset against the token budget once, when a run takes its data snapshot.
 
 The draw is deterministic: the prompts of step ``k`` (steps count from 1) are positions
 ``(k-1)*P .. k*P-1`` of an endless stream made of one permutation of the records per epoch,
@@ -27,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = [
+    "check_prompt_lengths",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
@@ -89,10 +91,14 @@ def _open_bytes(path: str, storage_options: dict[str, Any] | None) -> bytes:
 
 
 def _rows_from_table(table: Any) -> list[dict[str, Any]]:
-    return table.to_pylist()
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as exc:  # Arrow "binary" columns are fine; broken utf8 ones are not
+        raise ValueError(f"holds text that is not UTF-8: {exc}") from None
 
 
-def _read_rows(path: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
+def _read_rows(path: str, storage_options: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """``(rows, where)``: the records and, for each, how errors name it (``line 5, row 3``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -102,8 +108,13 @@ def _read_rows(path: str, storage_options: dict[str, Any] | None) -> list[dict[s
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"prompt file {path!r} is not UTF-8 (byte {exc.start})") from None
-        rows = []
+            line = raw[: exc.start].count(b"\n") + 1
+            col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise ValueError(
+                f"prompt file {path!r} line {line}: not UTF-8 (byte {exc.start}, column {col}: "
+                f"{raw[exc.start:exc.start + 1]!r}); re-encode the file as UTF-8"
+            ) from None
+        rows, where = [], []
         for n, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
@@ -113,19 +124,27 @@ def _read_rows(path: str, storage_options: dict[str, Any] | None) -> list[dict[s
                 raise ValueError(f"prompt file {path!r} line {n}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"prompt file {path!r} line {n}: expected a JSON object, got {type(row).__name__}")
+            where.append(f"line {n}, row {len(rows)}")
             rows.append(row)
-        return rows
+        return rows, where
     try:
+        table = None
         if lower.endswith(".parquet"):
-            return _rows_from_table(pq.read_table(io.BytesIO(raw)))
-        if lower.endswith((".arrow", ".feather", ".ipc")):
+            table = pq.read_table(io.BytesIO(raw))
+        elif lower.endswith((".arrow", ".feather", ".ipc")):
             try:
-                return _rows_from_table(pa.ipc.open_file(pa.py_buffer(raw)).read_all())
+                table = pa.ipc.open_file(pa.py_buffer(raw)).read_all()
             except pa.ArrowInvalid:
-                return _rows_from_table(pa.ipc.open_stream(pa.py_buffer(raw)).read_all())
+                table = pa.ipc.open_stream(pa.py_buffer(raw)).read_all()
     except pa.ArrowException as exc:
         raise ValueError(f"prompt file {path!r} cannot be parsed: {exc}") from None
-    raise ValueError(f"prompt file {path!r}: unsupported extension (use .jsonl, .parquet or .arrow)")
+    if table is None:
+        raise ValueError(f"prompt file {path!r}: unsupported extension (use .jsonl, .parquet or .arrow)")
+    try:
+        rows = _rows_from_table(table)
+    except ValueError as exc:
+        raise ValueError(f"prompt file {path!r} {exc}") from None
+    return rows, [f"row {i}" for i in range(len(rows))]
 
 
 def load_prompt_file(
@@ -135,19 +154,33 @@ def load_prompt_file(
     answer_key: str = "answer",
     storage_options: dict[str, Any] | None = None,
 ) -> list[dict[str, str]]:
-    """Read a prompt file into ``[{"prompt", "answer"}]`` (answers may be missing: ``""``)."""
-    rows = _read_rows(path, storage_options)
+    """Read a prompt file into ``[{"prompt", "answer"}]``.
+
+    ``answer_key`` may be absent from every row (answers ``""``, for reward functions that need
+    none) but not from some rows only. Errors (``ValueError``) name the file, the row (and the
+    line, for JSONL) and the field.
+    """
+    rows, where = _read_rows(path, storage_options)
     if not rows:
         raise ValueError(f"prompt file {path!r} holds no rows")
+    with_answer = sum(answer_key in row for row in rows)
     out = []
-    for i, row in enumerate(rows):
+    for row, at in zip(rows, where):
         if prompt_key not in row:
-            raise ValueError(f"prompt file {path!r} row {i}: missing field {prompt_key!r} (data.prompt_key)")
+            raise ValueError(
+                f"prompt file {path!r} {at}: missing field {prompt_key!r} (data.prompt_key); "
+                f"fields: {sorted(map(str, row))[:10]}"
+            )
         prompt = row[prompt_key]
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt file {path!r} row {i}: field {prompt_key!r} is {type(prompt).__name__}, not str")
+            raise ValueError(f"prompt file {path!r} {at}: field {prompt_key!r} is {type(prompt).__name__}, not str")
         if not prompt.strip():
-            raise ValueError(f"prompt file {path!r} row {i}: empty prompt")
+            raise ValueError(f"prompt file {path!r} {at}: empty prompt (field {prompt_key!r})")
+        if 0 < with_answer < len(rows) and answer_key not in row:
+            raise ValueError(
+                f"prompt file {path!r} {at}: missing field {answer_key!r} (data.answer_key), which "
+                f"{with_answer} of {len(rows)} rows have"
+            )
         answer = row.get(answer_key)
         out.append({"prompt": prompt, "answer": "" if answer is None else str(answer)})
     return out
@@ -233,6 +266,43 @@ def tokenize_prompts(
         input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     return input_ids, lengths
+
+
+def check_prompt_lengths(
+    records: Sequence[dict[str, str]],
+    data_cfg: Any,
+    tokenizer: Any,
+    max_length: int,
+    *,
+    source: str = "the prompt dataset",
+) -> int:
+    """Check every record's formatted prompt against the token budget before a run starts.
+
+    With ``data.overlong_prompts == "reject"`` a prompt longer than ``max_length`` tokens raises
+    ``ValueError`` naming ``source``, the record and its token count (up to 5 listed); with
+    ``"truncate"`` nothing raises (:func:`tokenize_prompts` keeps the last ``max_length`` tokens).
+    Returns the number of over-long prompts.
+    """
+    if max_length < 1:
+        raise ValueError(f"the prompt token budget must be >= 1, got {max_length}")
+    texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in records]
+    over: list[tuple[int, int]] = []
+    for start in range(0, len(texts), 1024):
+        ids = tokenizer(texts[start : start + 1024], add_special_tokens=False)["input_ids"]
+        for j, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"{source} record {start + j}: the prompt tokenizes to nothing: {texts[start + j]!r}")
+            if len(row) > max_length:
+                over.append((start + j, len(row)))
+    if over and data_cfg.overlong_prompts == "reject":
+        shown = ", ".join(f"record {i} ({n} tokens)" for i, n in over[:5])
+        more = f" and {len(over) - 5} more" if len(over) > 5 else ""
+        raise ValueError(
+            f"{source}: {len(over)} prompt(s) longer than {max_length} tokens (data.max_input_seq_length, or "
+            f"policy.max_total_sequence_length - generation.max_new_tokens): {shown}{more}; "
+            "set data.overlong_prompts=truncate to keep their last tokens"
+        )
+    return len(over)
 
 
 def records_columns(records: Iterable[dict[str, str]]) -> dict[str, list[str]]:

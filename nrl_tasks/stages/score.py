@@ -11,16 +11,28 @@ Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
 from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.faults import fault_point
 
 __all__ = ["compute_rewards", "reward_function", "score"]
+
+_log = logging.getLogger(__name__)
+
+
+def _logger() -> Any:
+    """Prefect's run logger inside a task or flow run, this module's logger elsewhere."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return _log
 
 
 def reward_function(env_cfg: Any):
@@ -68,7 +80,7 @@ def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_sta
     rollouts = storage.load_batch(rt.layout.stage_uri(step, rollouts_stage), **rt.storage_kw)
     rewards, valid, errors = compute_rewards(rollouts, cfg.env, rt.reward_model)
     if errors:
-        logger = get_run_logger()
+        logger = _logger()
         for e in errors:
             logger.warning("step %d reward: %s", step, e)
     fault_point("score", step, "during")
