@@ -39,6 +39,7 @@ __all__ = [
     "RayConfig",
     "RefitConfig",
     "StorageConfig",
+    "StorageRetryConfig",
     "config_hash",
     "config_to_yaml",
     "load_config",
@@ -165,10 +166,29 @@ class ClusterConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
 
 
+class StorageRetryConfig(_Section):
+    """Backoff of remote-storage calls that fail transiently (endpoint down, throttled, 5xx).
+
+    Waits ``initial_delay_s``, doubling up to ``max_delay_s``, for ``attempts`` calls in all; the
+    defaults wait out ~40 s of outage. See ``storage.retry``.
+    """
+
+    attempts: int = Field(8, ge=1, description="calls in all (1: no retry)")
+    initial_delay_s: float = Field(0.5, ge=0, description="first backoff (s)")
+    max_delay_s: float = Field(10.0, ge=0, description="longest backoff (s)")
+
+    def policy(self) -> Any:
+        """The ``storage.retry.RetryPolicy`` of these settings."""
+        from storage.retry import RetryPolicy
+
+        return RetryPolicy(attempts=self.attempts, initial_delay_s=self.initial_delay_s, max_delay_s=self.max_delay_s)
+
+
 class StorageConfig(_Section):
     root: str = Field("./runs", description="local path, file:// or s3://bucket/prefix")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec/s3fs options")
     keep_last_k_steps: int | None = Field(None, ge=1, description="retention of step batches (None: all)")
+    retry: StorageRetryConfig = Field(default_factory=StorageRetryConfig, description="remote-storage backoff")
 
 
 class LoggerConfig(_Section):

@@ -78,8 +78,10 @@ def check_storage_root(root: str, storage_options: dict[str, Any] | None = None)
         raise ValueError(f"storage root {root!r} cannot be created: {exc.strerror or exc}") from None
     if not os.path.isdir(norm):
         raise ValueError(f"storage root {root!r} is not a directory")
-    if not os.access(norm, os.W_OK | os.X_OK):
-        raise ValueError(f"storage root {root!r} is not writable")
+    try:  # a real write: permission bits say nothing when running as root or on read-only mounts
+        _fs().check_writable(norm)
+    except OSError as exc:
+        raise ValueError(f"storage root {root!r} is not writable: {exc}") from None
     return norm
 
 

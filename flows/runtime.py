@@ -109,6 +109,11 @@ class Runtime:
             recs = [{"prompt": p, "answer": a} for p, a in zip(b["prompt"], b["answer"])]
         else:
             recs = load_prompt_records(self.cfg.data, split, self.cfg.grpo.seed, self.cfg.storage.storage_options)
+            if self.tokenizer is not None:  # over-long prompts: one clear error now, not at step k
+                from nrl_tasks.stages.data import check_prompt_lengths
+
+                src = getattr(self.cfg.data, f"{split}_path", None) or f"{self.cfg.data.dataset} {split} split"
+                check_prompt_lengths(recs, self.cfg.data, self.tokenizer, self.cfg.max_prompt_tokens(), source=src)
             batch = BatchedDataDict({"prompt": [r["prompt"] for r in recs], "answer": [r["answer"] for r in recs]})
             storage.save_batch(batch, uri, **self.storage_kw, run_id=self.run_id, stage=f"data-{split}", step=0)
         self._records[split] = recs
@@ -236,8 +241,14 @@ def register_runtime(rt: Runtime) -> Runtime:
 
 
 def setup_runtime(cfg: MasterConfig, run_id: str, *, with_actors: bool = True) -> Runtime:
-    """Connect Ray, load the tokenizer, attach to or create the run's actors; cache and return."""
-    connect_ray(cfg)
+    """Connect Ray, load the tokenizer, attach to or create the run's actors; cache and return.
+
+    The storage retry policy (``storage.retry``) is applied and the train data snapshot is taken
+    (bad prompt files fail here) before Ray is touched.
+    """
+    import storage.retry
+
+    storage.retry.set_retry_policy(cfg.storage.retry.policy())
     rt = Runtime(
         cfg=cfg,
         run_id=run_id,
@@ -245,6 +256,9 @@ def setup_runtime(cfg: MasterConfig, run_id: str, *, with_actors: bool = True) -
         namespace=namespace_for(run_id),
         tokenizer=load_tokenizer(cfg),
     )
+    if with_actors:
+        rt.train_records()
+    connect_ray(cfg)
     if with_actors:
         rt.start_policy()
         rt.start_generation()
