@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--storage", default="./runs", help="storage root holding the run (default ./runs)")
     r.add_argument(
         "--recompute", action="append", default=[], metavar="STAGE@STEP",
-        help="delete and recompute one stage of one step (and what depends on it), e.g. generate@3",
+        help="recompute one stage of one step, e.g. generate@3: in a step not trained yet the stage and what "
+        "depends on it in that step; in a trained step after the last checkpoint only that dataset, which must "
+        "reproduce the step's recorded weights checksum (see flows/recompute.py)",
     )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="overrides (e.g. grpo.max_num_steps=20)")
 
@@ -99,14 +101,18 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     from flows.grpo import resolve_config
     from flows.run_layout import RunLayout, validate_run_id
+    from flows.recompute import check_resume_data, plan_recompute
     from flows.run_state import check_config_hash, parse_recompute
 
     try:
         run_id = validate_run_id(args.run_id)
         cfg = resolve_config(None, args.overrides, args.storage, run_id=run_id)
-        parse_recompute(args.recompute)
+        specs = parse_recompute(args.recompute)
         layout = RunLayout(cfg.storage.root, run_id)
         check_config_hash(layout, cfg)
+        opts = cfg.storage.storage_options or None
+        # refused --recompute items and damaged batches: one clear error before anything starts
+        check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
     except ValueError as exc:
         return _error(str(exc))
     print(f"nrl: resuming run {run_id} at {layout.run_uri}", flush=True)

@@ -26,6 +26,7 @@ pytest_plugins = [
     "tests.fixtures.ray_env",
     "tests.fixtures.s3",
     "tests.fixtures.models",
+    "tests.fixtures.grpo_runs",
 ]
 
 

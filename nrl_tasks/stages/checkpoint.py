@@ -25,7 +25,8 @@ from typing import Any
 from prefect import task
 
 from nrl_tasks.stages.common import TASK_DEFAULTS
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.faults import arm_actor_kill, fault_point
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
 
 __all__ = [
     "COMMIT_FILE",
@@ -162,7 +163,7 @@ def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | 
     return info
 
 
-@task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS)
+@task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, Any]:
     """Checkpoint the policy after ``train`` of ``step`` (idempotent: an existing commit is kept)."""
     from flows.runtime import get_runtime
@@ -172,9 +173,11 @@ def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, 
     if is_checkpoint_committed(uri, rt.storage_options):
         return {"uri": uri, "skipped": True, **read_checkpoint_info(uri, rt.storage_options)}
     fault_point("checkpoint", step, "before")
+    ensure_policy(rt, cfg, step)  # a dead worker is re-created and restored first
     version = rt.policy.weights_version
     if version != step:
         raise RuntimeError(f"checkpoint of step {step}: the policy holds weights version {version}")
+    arm_actor_kill("policy", "checkpoint", step, rt.policy.worker_group.workers)
     info = {
         "run_id": run_id,
         "step": step,

@@ -21,6 +21,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation
 
 __all__ = ["evaluate", "evaluate_records", "summarize_eval", "validate"]
 
@@ -116,7 +117,7 @@ def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
     return out
 
 
-@task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS)
+@task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
     """Greedy evaluation on the validation prompts with the generation workers' current weights;
     persist ``val`` under the step (``step`` 0: before training)."""
@@ -128,6 +129,7 @@ def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
         return done
     fault_point("validate", step, "before")
     timer = StageTimer()
+    ensure_generation(rt, cfg, weights_version)
     records = rt.val_records()[: cfg.grpo.max_val_samples]
     samples = evaluate_records(
         rt.generation, rt.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,

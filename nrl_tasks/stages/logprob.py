@@ -15,7 +15,8 @@ from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.faults import arm_actor_kill, fault_point
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
 
 __all__ = ["compute_logprobs", "logprob"]
 
@@ -31,9 +32,10 @@ def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: 
     return BatchedDataDict({"prev_logprobs": prev, "reference_policy_logprobs": ref})
 
 
-@task(name="logprob", task_run_name="logprob-{run_id}-step{step}", **TASK_DEFAULTS)
+@task(name="logprob", task_run_name="logprob-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
-    """Policy + reference logprobs of the step's rollouts; persist ``logprobs``."""
+    """Policy + reference logprobs of the step's rollouts (policy at ``weights_version``, restored
+    first if its actors died); persist ``logprobs``."""
     import storage
     from flows.runtime import get_runtime
 
@@ -43,7 +45,9 @@ def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str,
         return done
     fault_point("logprob", step, "before")
     timer = StageTimer()
+    ensure_policy(rt, cfg, weights_version)
     rollouts = storage.load_batch(rt.layout.stage_uri(step, "rollouts"), **rt.storage_kw)
+    arm_actor_kill("policy", "logprob", step, rt.policy.worker_group.workers)
     with timer.phase("compute"):
         out = compute_logprobs(rt.policy, rollouts, need_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     fault_point("logprob", step, "during")

@@ -17,6 +17,15 @@ timeout makes a blocked collective raise inside the actors, and a watchdog threa
 driver (Prefect's timeouts cannot interrupt a blocking call). The Prefect task retries with
 backoff (``grpo.refit.retries``, ``grpo.refit.retry_delay_s``).
 
+A failed attempt is aborted cleanly (:func:`abort_refit`): every generation worker that still
+answers is (still) marked stale, read from its control thread even while its main thread is
+blocked, and the producer's broadcast group is closed. Before a retry, a generation worker that
+is dead or stuck is re-created (the whole group: fresh workers hold the initial weights, and the
+refit below replaces them) and a dead or stuck producer is re-created and restored to the
+version (last checkpoint + replay of the persisted train stages); the new attempt then builds a
+new communicator on a fresh port. The result lists the failed attempts (``failed_attempts``:
+error and the workers' state after the abort).
+
 Test hook: ``NRL_FAULT_REFIT_PARTIAL=STEP[,STEP...]`` makes the first attempt of the refit at
 ``STEP`` (in this process) fail mid-stream: the driver itself produces the first packed chunk of
 a stream (zeros) and then drops the group, so the workers receive part of the bytes and fail.
@@ -32,9 +41,9 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from nrl_tasks.stages.common import TASK_DEFAULTS
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 
-__all__ = ["RefitFailedError", "refit", "refit_weights"]
+__all__ = ["RefitFailedError", "abort_refit", "refit", "refit_weights"]
 
 PARTIAL_ENV = "NRL_FAULT_REFIT_PARTIAL"
 _INJECTED: set[int] = set()
@@ -149,6 +158,7 @@ def refit_weights(
     """
     t0 = time.monotonic()
     deadline = t0 + float(timeout_s)
+    s = step if step is not None else weights_version
     generation.mark_stale()
     info = policy.prepare_refit_info()
     if step is not None and str(step) in {s.strip() for s in os.environ.get(PARTIAL_ENV, "").split(",")}:
@@ -163,12 +173,15 @@ def refit_weights(
     ip = _node_ip()
     port = find_free_port()
     refs = list(policy.init_collective(ip, port, world, train_world_size=_policy_world_size(policy)))
-    refs += list(generation.init_collective(ip, port, world, rank_offset=1))
+    refs += list(generation.init_collective(ip, port, world, rank_offset=1, timeout_s=max(1.0, deadline - time.monotonic())))
     _ray_get(refs, deadline, "init_collective")
     t1 = time.monotonic()
+    arm_actor_kill("policy", "refit", s, policy.worker_group.workers)
+    arm_actor_kill("generation", "refit", s, generation.workers)
     refs = list(policy.broadcast_weights_for_collective()) + list(
         generation.update_weights_from_collective(weights_version)
     )
+    fault_point("refit", s, "during")  # the flow process dies while the actors stream
     _ray_get(refs, deadline, "packed broadcast")
     t2 = time.monotonic()
     got = generation.weights_version
@@ -209,6 +222,53 @@ def _with_watchdog(fn: Any, deadline_s: float, *args: Any, **kwargs: Any) -> Any
     return box["result"]
 
 
+def _control_call(handle: Any, fn: Any, timeout_s: float) -> Any:
+    """Run ``fn(actor)`` in the actor's control thread (answers while its main thread is blocked)."""
+    import ray
+
+    from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
+
+    return ray.get(handle.__ray_call__.options(concurrency_group=CONTROL_GROUP).remote(fn), timeout=timeout_s)
+
+
+def _mark_stale_and_read(actor: Any) -> dict[str, Any]:
+    actor.mark_stale()
+    return actor.get_weights_state()
+
+
+def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Clean up after a failed attempt (bounded, best effort); returns what it found.
+
+    Each generation worker that answers is marked stale (again) and reports its state from its
+    control thread; the producer's broadcast group is closed (queued behind a blocked broadcast,
+    not waited for). Dead workers are reported ``alive: False``.
+    """
+    states = []
+    workers = rt.generation.workers if rt.generation is not None else []
+    for rank, w in enumerate(workers):
+        try:
+            st = _control_call(w, _mark_stale_and_read, timeout_s)
+            states.append({**st, "rank": rank, "alive": True})
+        except Exception as exc:  # noqa: BLE001 - dead or unreachable
+            states.append({"rank": rank, "alive": False, "error": type(exc).__name__})
+    try:
+        for w in rt.policy.worker_group.workers:
+            w.close_refit_group.remote()
+    except Exception:  # noqa: BLE001 - producer gone
+        pass
+    for w, st in zip(workers, states):
+        if st.get("alive"):
+            try:
+                w.teardown_collective.remote()
+            except Exception:  # noqa: BLE001
+                pass
+    return {"attempt": attempt, "error": f"{type(error).__name__}: {error}"[:500], "generation": states}
+
+
+#: Failed attempts of the refit in progress, per ``(run_id, weights_version)`` (this process).
+_FAILURES: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+
 def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
     """Retry everything but a metadata mismatch (deterministic: a retry cannot fix it)."""
     from nrl_tasks.utils.refit import RefitMismatchError
@@ -232,26 +292,35 @@ def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
 )
 def refit(cfg: Any, run_id: str, weights_version: int, force: bool = False, step: int | None = None) -> dict[str, Any]:
     """Bring the generation workers to ``weights_version`` (skipped when they already hold it,
-    unless ``force``). Retries with backoff; each attempt has a hard deadline."""
+    unless ``force``). Retries with backoff; each attempt has a hard deadline; a retry first
+    re-creates dead or stuck workers on either side (see the module docstring)."""
     from flows.runtime import get_runtime
+    from nrl_tasks.stages.recovery import attempt_number, ensure_generation_alive, ensure_policy
 
     rt = get_runtime(cfg, run_id)
+    log = get_run_logger()
+    attempt = attempt_number()
+    if attempt > 1:
+        ensure_generation_alive(rt, log)
     if not force and rt.generation.weights_version == weights_version:
         return {"stage": "refit", "weights_version": weights_version, "seconds": 0.0, "skipped": True}
-    if rt.policy.weights_version != weights_version:
-        raise RuntimeError(
-            f"refit to version {weights_version}: the policy holds version {rt.policy.weights_version}"
-        )
+    ensure_policy(rt, cfg, weights_version, log)  # a dead producer is re-created and restored
     s = step if step is not None else weights_version
     fault_point("refit", s, "before")
     rcfg = cfg.grpo.refit
+    key = (run_id, int(weights_version))
     try:
         out = _with_watchdog(
             refit_weights, rcfg.timeout_s + 5.0, rt.policy, rt.generation, weights_version,
             timeout_s=rcfg.timeout_s, verify_checksum=rcfg.verify_checksum, step=s,
         )
     except Exception as exc:
-        get_run_logger().warning("refit to version %d failed (%s: %s); workers left stale", weights_version, type(exc).__name__, exc)
+        failure = abort_refit(rt, exc, attempt)
+        _FAILURES.setdefault(key, []).append(failure)
+        log.warning(
+            "refit to version %d failed (%s: %s); aborted, generation workers: %s",
+            weights_version, type(exc).__name__, exc, failure["generation"],
+        )
         raise
     fault_point("refit", s, "after")
-    return {"stage": "refit", "step": s, **out}
+    return {"stage": "refit", "step": s, **out, "attempts": attempt, "failed_attempts": _FAILURES.pop(key, [])}

@@ -17,7 +17,8 @@ from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_meta
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.faults import arm_actor_kill, fault_point
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
 
 __all__ = ["build_train_data", "replay_train", "run_train", "train", "train_metrics"]
 
@@ -118,11 +119,13 @@ def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
     return {"step": step, "replayed": True}
 
 
-@task(name="train", task_run_name="train-{run_id}-step{step}", **TASK_DEFAULTS)
+@task(name="train", task_run_name="train-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
-    Expects the policy at weights version ``step - 1`` and leaves it at ``step``.
+    Expects the policy at weights version ``step - 1`` and leaves it at ``step``. Retried on actor
+    faults: a dead or stuck worker group is re-created, the last checkpoint restored and the
+    ``train`` stages after it replayed from their persisted batches before this step trains.
     """
     from flows.runtime import get_runtime
 
@@ -131,15 +134,12 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     if (done := committed(uri, rt.storage_options)) is not None:
         return done
     fault_point("train", step, "before")
-    version = rt.policy.weights_version
-    if version != step - 1:
-        raise RuntimeError(
-            f"train step {step}: the policy holds weights version {version}, expected {step - 1} "
-            "(restore the last checkpoint and replay, as resume does)"
-        )
     timer = StageTimer()
+    with timer.phase("recover"):
+        recovery = ensure_policy(rt, cfg, step - 1)
     with timer.phase("load"):
         data = _load_inputs(rt, step)
+    arm_actor_kill("policy", "train", step, rt.policy.worker_group.workers)
     with timer.phase("train"):
         metrics = run_train(
             rt.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size
@@ -155,6 +155,7 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
         storage_options=rt.storage_options, seconds=timer.total(), train_seconds=timer.seconds["train"],
         tokens_per_s=tokens / max(timer.seconds["train"], 1e-9), weights_checksum=checksum,
         loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
+        recovered=recovery["restored_from"] != "live", replayed=",".join(map(str, recovery.get("replayed", []))),
     )
     fault_point("train", step, "after")
     return res

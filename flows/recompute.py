@@ -1,0 +1,203 @@
+"""Damaged persisted data at resume, and ``nrl resume RUN_ID --recompute STAGE@STEP``.
+
+What a resume reads is checked before anything starts (:func:`check_resume_data`): every
+committed dataset of the steps after the *anchor* (the newest checkpoint at or before the last
+trained step), whose ``train`` stages resume may replay, and of the next step to train. Each is
+loaded with full verification (sizes, checksums, schema); a damaged one (corrupt or missing
+shard, unreadable manifest) stops the resume with a :class:`DamagedRunError` that names the file
+and gives the ``--recompute`` items that repair it. Steps at or before the anchor are never read
+by a resume and are not checked.
+
+``--recompute STAGE@STEP`` deletes outputs so the resumed flow recomputes them:
+
+- a step **not trained yet**: the stage's dataset and what depends on it in that step
+  (``generate@4`` deletes rollouts, rewards, logprobs and advantages of step 4);
+- a **trained** step after the anchor: only that stage's dataset. Its ``train`` marker stays, and
+  the weights checksum that ``train`` recorded is the invariant: resume restores the anchor,
+  recomputes the missing datasets of each replayed step (same seeds, the generation workers
+  refitted to that step's weights) and replays its ``train``, which must reproduce the recorded
+  checksum or the resume stops. A trained step's inputs can be repaired, never changed;
+- refused: ``train@STEP`` of a trained step (the weights after it are part of the run) and any
+  stage of a step at or before the anchor (a resume never reads those batches, and the weights
+  that produced them are not restored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from flows.run_layout import DATA_STAGES, RunLayout
+from flows.run_state import RECOMPUTE_ALIASES, trained_prefix
+from nrl_tasks.stages.recovery import DamagedRunError
+
+__all__ = [
+    "DATASET_STAGE",
+    "DamagedDataset",
+    "DamagedRunError",
+    "apply_recompute",
+    "check_resume_data",
+    "find_damaged",
+    "plan_recompute",
+    "resume_window",
+]
+
+#: dataset name -> the ``--recompute`` stage that makes it
+DATASET_STAGE: dict[str, str] = {
+    "prompts": "prompts",
+    "rollouts": "generate",
+    "rewards": "score",
+    "logprobs": "logprob",
+    "advantages": "advantages",
+    "train": "train",
+}
+
+#: ``--recompute`` stage -> its own dataset(s), for trained steps (nothing downstream)
+_OWN: dict[str, tuple[str, ...]] = {
+    "prompts": ("prompts",),
+    "generate": ("rollouts",),
+    "rollouts": ("rollouts",),
+    "score": ("rewards",),
+    "rewards": ("rewards",),
+    "logprob": ("logprobs",),
+    "logprobs": ("logprobs",),
+    "advantages": ("advantages",),
+    "val": ("val",),
+    "validate": ("val",),
+}
+
+
+@dataclass(frozen=True)
+class DamagedDataset:
+    step: int
+    dataset: str
+    uri: str
+    error: str
+    trained: bool
+
+    @property
+    def recompute_item(self) -> str:
+        return f"{DATASET_STAGE.get(self.dataset, self.dataset)}@{self.step}"
+
+
+def _kw(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    return {"storage_options": storage_options} if storage_options else {}
+
+
+def resume_window(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> tuple[int, int]:
+    """``(anchor, last)``: the newest checkpoint step at or before the last trained step (0 if
+    none) and the last trained step. A resume reads the batches of steps ``anchor+1 .. last+1``."""
+    from nrl_tasks.stages.checkpoint import latest_checkpoint
+
+    last = trained_prefix(layout, storage_options=storage_options)
+    ck = latest_checkpoint(layout.checkpoints_uri, max_step=last, storage_options=storage_options) if last else None
+    return (ck[0] if ck else 0), last
+
+
+def find_damaged(
+    layout: RunLayout,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    skip: Iterable[tuple[int, str]] = (),
+) -> list[DamagedDataset]:
+    """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``)."""
+    import storage
+
+    anchor, last = resume_window(layout, storage_options)
+    skip = set(skip)
+    out = []
+    for step in range(anchor + 1, last + 2):
+        for ds in DATA_STAGES:
+            if (step, ds) in skip or (ds == "train" and step > last):
+                continue
+            uri = layout.stage_uri(step, ds)
+            if not storage.is_committed(uri, **_kw(storage_options)):
+                continue  # absent: recomputed by its stage (or before a replay)
+            try:
+                storage.load_batch(uri, verify=True, mmap=False, **_kw(storage_options))
+            except (ValueError, OSError) as exc:  # CorruptDatasetError, MissingShardError, unreadable files
+                out.append(DamagedDataset(step, ds, uri, f"{type(exc).__name__}: {exc}", step <= last))
+    return out
+
+
+def damage_message(layout: RunLayout, damaged: list[DamagedDataset]) -> str:
+    """One readable error: each damaged dataset (file and error) and the repair command."""
+    lines = [f"run {layout.run_id!r} cannot resume: {len(damaged)} persisted dataset(s) it needs are damaged"]
+    for d in damaged:
+        kind = "trained step" if d.trained else "step not trained yet"
+        lines.append(f"  - step {d.step} {d.dataset} ({kind}): {d.error}")
+    fixable = [d for d in damaged if not (d.trained and d.dataset == "train")]
+    if fixable:
+        items = " ".join(f"--recompute {d.recompute_item}" for d in fixable)
+        lines.append("recompute them with:")
+        lines.append(f"  nrl resume {layout.run_id} --storage {layout.root} {items}")
+        lines.append(
+            "(in a trained step only that dataset is recomputed and its replay must reproduce the weights "
+            "checksum the step's train recorded; in a step not trained yet the stage and what depends on it "
+            "in that step are recomputed)"
+        )
+    for d in damaged:
+        if d.trained and d.dataset == "train":
+            lines.append(
+                f"step {d.step}'s train marker is damaged: it cannot be recomputed (the weights after it are part "
+                "of the run); restore it from a copy or start a new run"
+            )
+    return "\n".join(lines)
+
+
+def check_resume_data(
+    layout: RunLayout,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    skip: Iterable[tuple[int, str]] = (),
+) -> None:
+    """Raise :class:`DamagedRunError` if a dataset a resume reads is damaged (see the module docstring)."""
+    damaged = find_damaged(layout, storage_options, skip=skip)
+    if damaged:
+        raise DamagedRunError(damage_message(layout, damaged))
+
+
+def plan_recompute(
+    layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None
+) -> list[tuple[int, str]]:
+    """``(step, dataset)`` pairs that ``specs`` delete; ``ValueError`` for a refused item."""
+    anchor, last = resume_window(layout, storage_options)
+    plan: list[tuple[int, str]] = []
+    for stage, step in specs:
+        if stage in ("val", "validate"):
+            plan += [(step, "val")]
+            continue
+        if step > last + 1:
+            raise ValueError(
+                f"--recompute {stage}@{step}: the run has trained {last} step(s); step {step} is not reached yet"
+            )
+        if step <= last:
+            if stage == "train":
+                raise ValueError(
+                    f"--recompute train@{step}: step {step} is trained and the weights after it are part of the run; "
+                    "a trained step's result cannot be recomputed (start a new run to change it)"
+                )
+            if step <= anchor:
+                raise ValueError(
+                    f"--recompute {stage}@{step}: step {step} is covered by the checkpoint of step {anchor}; resume "
+                    "never reads its batches and the weights that produced them are not restored, so it cannot be recomputed"
+                )
+            plan += [(step, ds) for ds in _OWN[stage]]
+        else:
+            plan += [(step, ds) for ds in RECOMPUTE_ALIASES[stage]]
+    return list(dict.fromkeys(plan))
+
+
+def apply_recompute(
+    layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Delete what :func:`plan_recompute` names (manifest first: never half-valid); the deleted URIs."""
+    import storage
+
+    deleted = []
+    for step, ds in plan_recompute(layout, specs, storage_options):
+        uri = layout.stage_uri(step, ds)
+        if storage.exists(uri, storage_options=storage_options):
+            storage.delete_batch(uri, **_kw(storage_options))
+            deleted.append(uri)
+    return deleted

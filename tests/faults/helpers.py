@@ -1,0 +1,68 @@
+"""Shared checks of the fault tests: weights, rollouts, fault log, Prefect task runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import torch
+
+ROLLOUT_TENSORS = ("input_ids", "input_lengths", "token_mask", "generation_logprobs", "seeds")
+
+
+def checkpoint_bytes(root: str, run_id: str, step: int) -> dict[str, bytes]:
+    """The safetensors files of ``checkpoints/step_N/weights`` (name -> bytes)."""
+    d = os.path.join(root, run_id, "checkpoints", f"step_{step:06d}", "weights")
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(d, f), "rb") as fh:
+                out[f] = fh.read()
+    return out
+
+
+def train_checksum(root: str, run_id: str, step: int) -> str:
+    import storage
+
+    return storage.read_manifest(os.path.join(root, run_id, "steps", f"step_{step:06d}", "train")).meta["weights_checksum"]
+
+
+def assert_same_rollouts(root_a: str, run_a: str, root_b: str, run_b: str, step: int) -> None:
+    """Bit-identical rollouts (tokens, masks, sampler logprobs, seeds, texts) of ``step``."""
+    import storage
+
+    a = storage.load_batch(os.path.join(root_a, run_a, "steps", f"step_{step:06d}", "rollouts"))
+    b = storage.load_batch(os.path.join(root_b, run_b, "steps", f"step_{step:06d}", "rollouts"))
+    for key in ROLLOUT_TENSORS:
+        assert torch.equal(a[key], b[key]), (step, key)
+    assert list(a["response"]) == list(b["response"]), step
+
+
+def read_fault_log(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def fired(log: list[dict[str, Any]], role: str, stage: str, step: int) -> dict[str, Any] | None:
+    for e in log:
+        if (e["role"], e["stage"], e["step"]) == (role, stage, step) and e.get("fired") in (True, "armed"):
+            return e
+    return None
+
+
+def task_runs(name_prefix: str) -> list[Any]:
+    """Prefect task runs whose name starts with ``name_prefix`` (read through Prefect's client)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    async def run():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name_prefix)), limit=200
+            )
+
+    return [t for t in asyncio.run(run()) if t.name.startswith(name_prefix)]

@@ -1,0 +1,122 @@
+"""Actors killed in the middle of their work during a GRPO run (real kills, test hook
+``NRL_FAULT_KILL_ACTOR_AT``): each stage's retry re-creates what died and restores it from what
+is persisted, and the run ends bit-identical to the uninterrupted reference (``e2e_run``, same
+config and seed; its validation and refit retries do not touch the policy).
+
+One 3-step run (in this process, Prefect test server, the session's Ray) suffers, in order:
+
+- ``generation:generate@2`` (``ray.kill`` while sampling): the generate retry re-creates the
+  worker, refits it fully to version 1 and regenerates step 2 with the persisted seeds;
+- ``policy:train@2`` (``ray.kill`` inside ``train``, no checkpoint yet): the train retry
+  re-creates the worker group, replays ``train`` of step 1 from its persisted batches and trains 2;
+- ``generation:refit@2:sigkill`` (the consumer dies mid-broadcast): the refit retry re-creates
+  the worker and a new communicator;
+- ``policy:train@3:sigkill``: the train retry restores checkpoint 2 and trains 3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.faults.helpers import (
+    assert_same_rollouts,
+    checkpoint_bytes,
+    fired,
+    read_fault_log,
+    task_runs,
+    train_checksum,
+)
+from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_config
+
+RUN_ID = "faults-actors"
+FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:sigkill, policy:train@3:sigkill"
+
+
+@pytest.fixture(scope="module")
+def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
+    from flows.grpo import grpo
+    from nrl_tasks.stages import faults
+
+    root = str(tmp_path_factory.mktemp("faulted"))
+    log = os.path.join(root, "faults.jsonl")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.refit.timeout_s": 30.0})
+    env = {faults.ACTOR_ENV_VAR: FAULTS, faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        result = grpo(config=cfg, run_id=RUN_ID)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield {"root": root, "cfg": cfg, "log": read_fault_log(log), "result": result, "baseline": e2e_run["root"]}
+    kill_run_actors(RUN_ID)
+
+
+def test_every_fault_landed_inside_its_call(faulted_run):
+    log = faulted_run["log"]
+    for role, stage, step in (("generation", "generate", 2), ("policy", "train", 2), ("generation", "refit", 2), ("policy", "train", 3)):
+        assert fired(log, role, stage, step), (role, stage, step, log)
+    # the ray.kill ones froze the actor inside the call before killing it
+    assert fired(log, "generation", "generate", 2)["fired"] is True
+    assert fired(log, "policy", "train", 2)["fired"] is True
+
+
+def test_generation_worker_killed_during_generate_regenerates_same_rollouts(faulted_run):
+    import storage
+
+    root, base = faulted_run["root"], faulted_run["baseline"]
+    for step in (1, 2, 3):
+        assert_same_rollouts(root, RUN_ID, base, E2E_RUN_ID, step)
+    meta = storage.read_manifest(os.path.join(root, RUN_ID, "steps", "step_000002", "rollouts")).meta
+    assert meta["recovered"] is True and meta["weights_version"] == 1
+    runs = task_runs(f"generate-{RUN_ID}-step2")
+    assert max(t.run_count for t in runs) == 2  # one retry
+
+
+def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
+    root, base = faulted_run["root"], faulted_run["baseline"]
+    for step in (1, 2, 3):
+        assert train_checksum(root, RUN_ID, step) == train_checksum(base, E2E_RUN_ID, step)
+    assert checkpoint_bytes(root, RUN_ID, 3) == checkpoint_bytes(base, E2E_RUN_ID, 3)
+    assert checkpoint_bytes(root, RUN_ID, 2) == checkpoint_bytes(base, E2E_RUN_ID, 2)
+    for step in (2, 3):
+        runs = task_runs(f"train-{RUN_ID}-step{step}")
+        assert max(t.run_count for t in runs) == 2, step
+    rows = faulted_run["result"]["final_metrics"]
+    assert rows["step"] == 3
+
+
+def test_refit_consumer_killed_mid_broadcast_is_retried(faulted_run):
+    runs = task_runs(f"refit-{RUN_ID}-v2")
+    assert runs and max(t.run_count for t in runs) >= 2
+    assert all(t.state.is_completed() for t in runs)
+
+
+def test_refit_producer_killed_mid_broadcast(faulted_run):
+    """The policy (producer) dies inside the packed broadcast: the attempt fails and is aborted
+    (generation workers stale), the retry re-creates the policy, restores checkpoint 3 and refits
+    with a new communicator; generation then holds exactly the trained weights."""
+    from flows.config import load_config
+    from flows.runtime import get_runtime
+    from nrl_tasks.stages import faults
+    from nrl_tasks.stages.refit import refit
+
+    cfg = load_config(faulted_run["cfg"])
+    rt = get_runtime(cfg, RUN_ID)
+    old_pid = rt.policy.worker_status()[0]["pid"]
+    os.environ[faults.ACTOR_ENV_VAR] = "policy:refit@203"
+    try:
+        out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, 3, force=True, step=203)
+    finally:
+        os.environ.pop(faults.ACTOR_ENV_VAR, None)
+    assert out["attempts"] == 2 and len(out["failed_attempts"]) == 1
+    assert all(g["stale"] for g in out["failed_attempts"][0]["generation"] if g["alive"])
+    assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created
+    want = train_checksum(faulted_run["root"], RUN_ID, 3)
+    assert rt.policy.weights_checksum() == want
+    assert rt.generation.weights_version == 3 and rt.generation.weights_checksum() == want
