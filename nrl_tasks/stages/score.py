@@ -89,7 +89,7 @@ def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_sta
     out = save_output(
         batch, uri, run_id=run_id, step=step, stage=stage, weights_version=None,
         storage_options=rt.storage_options, seconds=timer.total(),
-        reward_mean=float(rewards[valid].mean()) if n_valid else float("nan"),
+        reward_mean=float(rewards[valid].mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
         invalid_rewards=int(valid.numel() - n_valid), reward_errors="; ".join(errors)[:2000],
     )
     fault_point("score", step, "after")
