@@ -66,3 +66,23 @@ def task_runs(name_prefix: str) -> list[Any]:
             )
 
     return [t for t in asyncio.run(run()) if t.name.startswith(name_prefix)]
+
+
+def run_nrl(args: list[str], api_url: str, *, kill_at: str | None = None, timeout: float = 300) -> Any:
+    """``python -m flows.cli ARGS`` in a fresh process (Prefect server ``api_url``), optionally with
+    ``NRL_FAULT_KILL_AT=kill_at``; returns the ``CompletedProcess``."""
+    import subprocess
+    import sys
+
+    from tests.fixtures.grpo_runs import REPO
+
+    env = dict(os.environ)
+    env["PREFECT_API_URL"] = api_url
+    env["NRL_KEEP_ACTORS"] = "0"
+    for k in ("NRL_FAULT_KILL_AT", "NRL_FAULT_KILL_ACTOR_AT", "NRL_FAULT_REFIT_PARTIAL"):
+        env.pop(k, None)
+    if kill_at:
+        env["NRL_FAULT_KILL_AT"] = kill_at
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )

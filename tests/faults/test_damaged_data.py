@@ -1,0 +1,62 @@
+"""A damaged persisted batch found at resume, and its repair with ``nrl resume --recompute``.
+
+The run is a copy of the uninterrupted reference run (``e2e_run``) in the state a kill during
+checkpoint 3 leaves (steps 1-3 trained, checkpoint 2 the newest): a resume restores checkpoint 2
+and replays ``train`` of step 3 from its persisted batches. One byte of step 3's rollouts shard
+is flipped:
+
+- ``nrl resume`` stops before starting anything (exit 2) with an error naming the shard file and
+  the repair command;
+- ``nrl resume --recompute generate@3`` regenerates just those rollouts (generation refitted to
+  the weights of step 2, same seeds: bit-identical to the reference's), replays ``train`` of
+  step 3 against its recorded checksum and finishes: the final weights equal the reference's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from tests.faults.helpers import assert_same_rollouts, checkpoint_bytes
+from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors
+
+RUN_ID = "faults-damaged"
+
+
+def _flip_byte(path: str, offset: int = 300) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x55]))
+
+
+def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_path, capsys):
+    import storage
+
+    from flows.cli import main
+    from flows.metrics import read_metrics
+
+    base = e2e_run["root"]
+    root = str(tmp_path / "runs")
+    shutil.copytree(os.path.join(base, E2E_RUN_ID), os.path.join(root, RUN_ID))
+    shutil.rmtree(os.path.join(root, RUN_ID, "checkpoints", "step_000003"))  # killed while checkpointing step 3
+    shutil.rmtree(os.path.join(root, RUN_ID, "evals"), ignore_errors=True)
+    rollouts = os.path.join(root, RUN_ID, "steps", "step_000003", "rollouts")
+    shard = os.path.join(rollouts, next(f for f in sorted(os.listdir(rollouts)) if f.endswith(".arrow")))
+    _flip_byte(shard)
+
+    assert main(["resume", RUN_ID, "--storage", root]) == 2
+    err = capsys.readouterr().err
+    assert shard in err and "CorruptDatasetError" in err, err
+    assert f"--recompute generate@3" in err, err
+    assert not os.path.exists(os.path.join(root, RUN_ID, "checkpoints", "step_000003"))  # nothing ran
+
+    try:
+        assert main(["resume", RUN_ID, "--storage", root, "--recompute", "generate@3"]) == 0, capsys.readouterr().err
+    finally:
+        kill_run_actors(RUN_ID)
+    assert_same_rollouts(root, RUN_ID, base, E2E_RUN_ID, 3)
+    assert storage.read_manifest(rollouts).meta["recovered"] is True  # regenerated after a full refit to v2
+    assert checkpoint_bytes(root, RUN_ID, 3) == checkpoint_bytes(base, E2E_RUN_ID, 3)
+    assert [r["step"] for r in read_metrics(os.path.join(root, RUN_ID, "metrics.jsonl"))] == [1, 2, 3]

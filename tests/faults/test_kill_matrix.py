@@ -1,0 +1,72 @@
+"""The flow process SIGKILLed at every stage boundary and in the middle of every stage (test hook
+``NRL_FAULT_KILL_AT``), then resumed with ``nrl resume``: the run ends with the weights of the
+uninterrupted reference run (``e2e_run``: same config and seed), bit for bit.
+
+For each stage, one run is killed twice: entering the stage (``before``: the boundary after the
+previous stage) and with its work done but its output not committed (``during``; for ``refit``:
+while the actors stream), on different steps; the actors survive the first kill (a Ray cluster outliving the flow: resume re-attaches and
+verifies them) and are killed with the second (a local Ray dying with the flow: resume restores
+the last checkpoint and replays the persisted ``train`` stages). ``train@2:after`` (between
+``train`` and ``refit``) and ``checkpoint@3:during`` are covered by ``tests/flows/test_resume.py``
+in the fast suite.
+
+Invariant: a stage's output is committed (manifest written last) or absent; every resume
+recomputes exactly the absent outputs, deterministically (seeds from ``(seed, step, stage,
+sample)``), and restores the policy to the last trained step (checkpoint + replay of committed
+``train`` stages, verified against their recorded checksums) before anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import yaml
+
+from tests.faults.helpers import checkpoint_bytes, run_nrl, train_checksum
+from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_config
+
+#: stage -> (first kill, second kill), in run order; checkpoints exist at steps 2 and 3 only
+POINTS = {
+    "prompts": ("prompts@1:before", "prompts@2:during"),
+    "generate": ("generate@1:before", "generate@3:during"),
+    "score": ("score@1:during", "score@2:before"),
+    "logprob": ("logprob@1:before", "logprob@2:during"),
+    "advantages": ("advantages@2:during", "advantages@3:before"),
+    "train": ("train@1:before", "train@3:during"),
+    "refit": ("refit@1:during", "refit@2:before"),
+    "checkpoint": ("checkpoint@2:before", "checkpoint@3:during"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(POINTS))
+def test_flow_killed_at_stage_then_resumed(stage, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
+    baseline = e2e_run["root"]
+    root = str(tmp_path / "runs")
+    run_id = f"kill-{stage}"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, root, ray_session)))
+    first, second = POINTS[stage]
+    killed = -signal.SIGKILL
+    try:
+        p = run_nrl(["grpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness, kill_at=first)
+        assert p.returncode == killed, (first, p.stderr[-3000:])
+        p = run_nrl(["resume", run_id, "--storage", root], prefect_harness, kill_at=second)
+        assert p.returncode == killed, (second, p.stderr[-3000:])
+        kill_run_actors(run_id)  # the second time the actors go with the flow process
+        p = run_nrl(["resume", run_id, "--storage", root], prefect_harness)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    finally:
+        kill_run_actors(run_id)
+    for step in (2, 3):
+        assert checkpoint_bytes(root, run_id, step) == checkpoint_bytes(baseline, E2E_RUN_ID, step), step
+    for step in (1, 2, 3):
+        assert train_checksum(root, run_id, step) == train_checksum(baseline, E2E_RUN_ID, step), step
+    from flows.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(os.path.join(root, run_id, "metrics.jsonl"))] == [1, 2, 3]
+    with open(os.path.join(root, run_id, "status.json")) as fh:
+        assert json.load(fh)["status"] == "completed"
