@@ -5,7 +5,8 @@ writes a ``BatchedDataDict``; ``load_batch(uri, shard=None, ...)`` reads it back
 live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and a
 ``_manifest.json`` written last (the commit). See ``storage.store`` for the protocol,
 ``storage.tensor_codec`` / ``storage.pycodec`` for the column layouts and ``storage.fs`` for
-the filesystem helpers shared with checkpoints, metrics and configs.
+the filesystem helpers shared with checkpoints, metrics and configs, and ``storage.retry`` for
+the backoff of remote calls that fail transiently (``StorageUnavailableError`` once spent).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from storage.errors import (
     NotCommittedError,
 )
 from storage.fs import (
+    check_writable,
     download_dir,
     exists,
     is_s3,
@@ -32,6 +34,7 @@ from storage.fs import (
     write_text_atomic,
 )
 from storage.manifest import MANIFEST_NAME, ColumnSpec, Manifest, ShardInfo
+from storage.retry import RetryPolicy, StorageUnavailableError, get_retry_policy, retry_policy, set_retry_policy
 from storage.store import (
     delete_batch,
     is_committed,
@@ -50,10 +53,14 @@ __all__ = [
     "Manifest",
     "MissingShardError",
     "NotCommittedError",
+    "RetryPolicy",
     "ShardInfo",
+    "StorageUnavailableError",
+    "check_writable",
     "delete_batch",
     "download_dir",
     "exists",
+    "get_retry_policy",
     "is_committed",
     "is_s3",
     "join",
@@ -66,7 +73,9 @@ __all__ = [
     "read_text",
     "remove",
     "resolve",
+    "retry_policy",
     "save_batch",
+    "set_retry_policy",
     "shard_ranges",
     "upload_dir",
     "write_bytes_atomic",

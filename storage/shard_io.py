@@ -143,7 +143,8 @@ def read_table(data: Any, where: str, expected_rows: Optional[int]) -> pa.Table:
     """The Arrow table of one shard's bytes (zero-copy); ``CorruptDatasetError`` if unreadable."""
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        table.schema.names  # noqa: B018 - decodes the column names (UTF-8)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise CorruptDatasetError(f"shard {where} is not a readable Arrow IPC file: {exc}") from exc
     if expected_rows is not None and table.num_rows != expected_rows:
         raise CorruptDatasetError(

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage import fs as sfs
-from storage.checksum import combine, default_algorithm
+from storage.checksum import ALGORITHMS, combine, default_algorithm
 from storage.codec import decode_column, encode_columns
 from storage.errors import (
     AlreadyCommittedError,
@@ -46,6 +46,7 @@ __all__ = [
 
 Verify = Union[bool, Literal["full", "size", "none"]]
 _SHARD_RE = re.compile(r"^part-\d{5,}\.arrow$")
+_HEX_RE = re.compile(r"^[0-9a-f]{1,128}$")
 _S3_PUT_GROUP_BYTES = 256 << 20  # shards buffered in memory per concurrent S3 upload round
 
 
@@ -197,7 +198,44 @@ def _parse_manifest(raw: bytes, where: str, uri: str) -> Manifest:
             f"manifest {where}: {len(manifest.shards)} shards with {expected} rows, header says "
             f"{manifest.num_shards} shards with {manifest.rows} rows"
         )
+    digests = [s.checksum for s in manifest.shards] + [manifest.checksum]
+    if not all(_HEX_RE.match(d) for d in digests):
+        raise CorruptDatasetError(f"manifest {where}: checksums must be hex digests")
+    if manifest.checksum_algorithm not in ALGORITHMS:
+        raise CorruptDatasetError(
+            f"manifest {where}: unknown checksum algorithm {manifest.checksum_algorithm!r}; known: {list(ALGORITHMS)}"
+        )
+    names = manifest.column_names
+    if len(set(names)) != len(names):
+        raise CorruptDatasetError(f"manifest {where}: duplicate column names in {names}")
+    if combine(s.checksum for s in manifest.shards) != manifest.checksum:
+        raise CorruptDatasetError(f"manifest {where}: the dataset checksum does not match the shard checksums")
     return manifest.model_copy(update={"uri": uri})
+
+
+def _check_columns(schema: pa.Schema, specs: Sequence[Any], where: str) -> None:
+    """Each manifest column spec must agree with the shard's own field (type and ``nrl.*`` tags).
+
+    The shard's bytes are covered by its checksum, the manifest's column specs are not: without
+    this a damaged spec (another dtype or shape of the same width) would decode different values.
+    """
+    for spec in specs:
+        field = schema.field(spec.name)
+        meta = {
+            k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in (field.metadata or {}).items()
+        }
+        shape = meta.get("nrl.shape")
+        try:
+            shape_value = None if shape is None else json.loads(shape)
+        except ValueError:
+            shape_value = shape
+        found = (meta.get("nrl.kind"), meta.get("nrl.dtype"), shape_value, str(field.type))
+        promised = (spec.kind, spec.dtype, spec.shape, spec.arrow_type)
+        if found != promised:
+            raise CorruptDatasetError(
+                f"shard {where} column {spec.name!r} is (kind, dtype, shape, arrow type) {found}, "
+                f"manifest says {promised}"
+            )
 
 
 def read_manifest(
@@ -319,7 +357,12 @@ def load_batch(
     (xxh3 runs at ~5 GB/s, so this stays near memory speed); ``"size"`` checks existence and
     sizes only; ``False``/``"none"`` trusts the manifest. A missing manifest raises
     ``NotCommittedError``; a missing shard ``MissingShardError``; a wrong size, checksum,
-    row count or schema ``CorruptDatasetError``; each names the file.
+    row count or schema ``CorruptDatasetError``; each names the file. The manifest's column
+    specs are checked against each shard's own field tags, and anything that fails to decode
+    is a ``CorruptDatasetError`` too. Guarantee (fuzzed in ``tests/faults/test_store_fuzz.py``):
+    with full verification a damaged dataset never loads different data; without it, flipped
+    data bytes can come through (Arrow's full validation still runs, so offsets and lengths
+    cannot crash the process), but nothing else than these errors is raised.
 
     Memory: local shards are memory-mapped copy-on-write (``mmap=True``), and tensors are
     zero-copy views of the mapping (one shard; several shards are concatenated, one copy).
@@ -365,10 +408,21 @@ def load_batch(
         names = table.schema.names
         if names != manifest.column_names:
             raise CorruptDatasetError(f"shard {p} has columns {names}, manifest says {manifest.column_names}")
+        _check_columns(table.schema, specs, p)
+        if mode != "full":  # unhashed bytes: let Arrow check offsets and lengths before decoding
+            try:
+                table.validate(full=True)
+            except pa.ArrowException as exc:
+                raise CorruptDatasetError(f"shard {p} is damaged: {exc}") from None
         base = BufferBase.of(blob)
         for spec in specs:
             chunks = table.column(spec.name).chunks
-            parts[spec.name].append(decode_column(spec, chunks, base))
+            try:
+                parts[spec.name].append(decode_column(spec, chunks, base))
+            except (ValueError, TypeError, RuntimeError, LookupError, AttributeError, OverflowError, pa.ArrowException) as exc:
+                if isinstance(exc, CorruptDatasetError):
+                    raise
+                raise CorruptDatasetError(f"shard {p} column {spec.name!r} cannot be decoded: {exc}") from None
 
     out: dict[str, Any] = {}
     for spec in specs:
