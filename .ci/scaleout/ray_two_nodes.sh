@@ -107,32 +107,9 @@ EOF
   echo "env: source $DIR/env   (head pid $(cat "$DIR/head.pid"), worker pid $(cat "$DIR/worker.pid"))"
 }
 
-stop_pid() {  # pidfile: SIGTERM the node (its `ray start` process and everything under it),
-  # SIGKILL what is left after a grace period. Only these PIDs are signalled.
-  local f="$1"
-  [ -f "$f" ] || return 0
-  "$PY" - "$(cat "$f")" <<'EOF'
-import signal, sys
-import psutil
-try:
-    leader = psutil.Process(int(sys.argv[1]))
-    procs = [leader] + leader.children(recursive=True)  # raylet, GCS, agents, Ray workers (actors)
-except psutil.NoSuchProcess:
-    sys.exit(0)
-for p in procs:
-    try:
-        p.send_signal(signal.SIGTERM)
-    except psutil.NoSuchProcess:
-        pass
-_, alive = psutil.wait_procs(procs, timeout=40)
-for p in alive:
-    try:
-        p.kill()
-    except psutil.NoSuchProcess:
-        pass
-psutil.wait_procs(alive, timeout=10)
-EOF
-  rm -f "$f"
+stop_pid() {  # pidfile: SIGTERM the node (its `ray start` process and everything under it:
+  # raylet, GCS, agents, Ray workers), SIGKILL what is left after 40 s. Only these PIDs.
+  "$PY" "$HERE/stop_tree.py" "$1" 40
 }
 
 cmd_stop() {
