@@ -7,11 +7,14 @@ Artifacts are best effort: a failure to publish is logged, never fatal to traini
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
+    "BackgroundPublisher",
     "artifact_key",
     "publish_eval_table",
     "publish_metrics_table",
@@ -21,6 +24,40 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class BackgroundPublisher:
+    """Runs cosmetic API calls (artifacts, flow-run renames) off the training loop's critical path.
+
+    One worker thread, calls in submission order, each in a copy of the caller's context (so
+    Prefect links the artifact to the current flow run). :meth:`flush` waits for the backlog
+    (called at the end of the flow). Failures are logged, never raised.
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nrl-artifacts")
+        self._pending: list[concurrent.futures.Future[Any]] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        ctx = contextvars.copy_context()
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(ctx.run, self._safe, fn, *args, **kwargs))
+
+    @staticmethod
+    def _safe(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - cosmetic
+            logger.warning("background publication %s failed: %s", getattr(fn, "__name__", fn), exc)
+            return None
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        concurrent.futures.wait(self._pending, timeout=timeout_s)
+        self._pending = []
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.flush(timeout_s)
+        self._pool.shutdown(wait=False)
 
 
 def artifact_key(run_id: str, kind: str) -> str:

@@ -22,12 +22,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.artifacts import ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
+from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
 from flows.config import MasterConfig, load_config
 from flows.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
 from flows.run_layout import RunLayout, validate_run_id
+from flows.recompute import apply_recompute, check_resume_data
 from flows.run_state import (
-    apply_recompute,
     check_storage_root,
     init_run,
     parse_recompute,
@@ -103,38 +103,28 @@ def _rename_flow_run(name: str) -> None:
 
 
 def restore_policy_state(rt: Runtime, cfg: MasterConfig, last_trained: int, logger: Any) -> dict[str, Any]:
-    """Make the policy hold the weights after step ``last_trained`` (restore + replay if needed)."""
-    from nrl_tasks.stages.checkpoint import latest_checkpoint, restore_checkpoint
-    from nrl_tasks.stages.common import committed
-    from nrl_tasks.stages.train import replay_train
+    """Make the policy hold the weights after step ``last_trained`` (restore + replay if needed).
 
-    layout, opts = rt.layout, rt.storage_options
-    if rt.policy_attached:
-        live = rt.policy.weights_version
-        expected_sum = None
-        if last_trained > 0:
-            expected_sum = (committed(layout.stage_uri(last_trained, "train"), opts) or {}).get("weights_checksum")
-        if live == last_trained and (expected_sum is None or rt.policy.weights_checksum() == expected_sum):
-            logger.info("attached to live policy actors at weights version %d", live)
-            return {"restored_from": "live", "replayed": []}
-        logger.info("live policy holds version %s, run is at %d: restoring", live, last_trained)
-    ck = latest_checkpoint(layout.checkpoints_uri, max_step=last_trained, storage_options=opts)
-    if ck is not None:
-        info = restore_checkpoint(rt.policy, ck[1], opts)
-        start = int(info["step"])
-        logger.info("restored checkpoint %s (weights version %d)", ck[1], start)
-    else:
-        start = 0
-        if rt.policy_attached and rt.policy.weights_version != 0:
-            rt.policy.shutdown()
-            rt.start_policy(fresh=True)
-    replayed = []
-    for s in range(start + 1, last_trained + 1):
-        t = time.perf_counter()
-        replay_train(rt, cfg, s)
-        replayed.append(s)
-        logger.info("replayed train of step %d from persisted batches (%.2fs)", s, time.perf_counter() - t)
-    return {"restored_from": ck[1] if ck else "initial", "replayed": replayed}
+    Attached live actors are kept when every rank answers and holds exactly those weights
+    (version and the checksum recorded by that ``train``); otherwise, and always for actors just
+    created, the newest checkpoint at or before ``last_trained`` is restored and the ``train``
+    stages after it are replayed from their persisted batches. A replayed step whose datasets
+    are missing (``--recompute``) gets them recomputed first; the replay must reproduce the
+    recorded checksum (:mod:`nrl_tasks.stages.recovery`).
+    """
+    from flows.recompute import resume_window
+    from nrl_tasks.stages.recovery import ensure_policy, missing_datasets, restore_policy
+
+    anchor, _ = resume_window(rt.layout, rt.storage_options)
+    repair = [s for s in range(anchor + 1, last_trained + 1) if missing_datasets(rt, s)]
+    if rt.policy_attached and not repair:
+        out = ensure_policy(rt, cfg, last_trained, logger, verify=True)
+        if out["restored_from"] == "live":
+            logger.info("attached to live policy actors at weights version %d", last_trained)
+        return out
+    if repair:
+        logger.info("steps %s lack datasets: restoring and replaying to recompute them", repair)
+    return restore_policy(rt, cfg, last_trained, logger, fresh=not rt.policy_attached)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,14 +135,13 @@ def _due(period: int, step: int, last: int) -> bool:
     return step % period == 0 or step == last
 
 
-def _rollout_sample(rt: Runtime, step: int, n: int) -> str | None:
+def _rollout_sample(rt: Runtime, step: int, n: int, rewards: list[float]) -> str | None:
     import storage
 
     if n <= 0:
         return None
-    r = storage.load_batch(rt.layout.stage_uri(step, "rollouts"), **rt.storage_kw)
-    w = storage.load_batch(rt.layout.stage_uri(step, "rewards"), **rt.storage_kw)
-    return rollouts_markdown(rt.run_id, step, r["prompt"], r["response"], r["answer"], w["rewards"].tolist(), n=n)
+    r = storage.load_batch(rt.layout.stage_uri(step, "rollouts"), columns=["prompt", "response", "answer"], **rt.storage_kw)
+    return rollouts_markdown(rt.run_id, step, r["prompt"], r["response"], r["answer"], rewards, n=n)
 
 
 def finish_step(
@@ -166,6 +155,7 @@ def finish_step(
     force_refit: bool,
     t_start: float,
     progress: ProgressHandle,
+    publisher: BackgroundPublisher,
     write_line: bool = True,
 ) -> dict[str, Any]:
     """Checkpoint (if due), refit, validate (if due), then the metrics line and artifacts."""
@@ -188,24 +178,23 @@ def finish_step(
     if write_line:
         import storage
 
-        rw = storage.load_batch(rt.layout.stage_uri(step, "rewards"), **rt.storage_kw)
+        rw = storage.load_batch(rt.layout.stage_uri(step, "rewards"), columns=["rewards", "reward_valid"], **rt.storage_kw)
         row = build_step_metrics(
             step, manifests, refit=ref, val=val, checkpoint=ck, wall_seconds=time.perf_counter() - t_start,
             rewards=(rw["rewards"], rw["reward_valid"]),
         )
         rows = upsert_metrics(rt.layout.metrics_uri, row, rt.storage_options)
         if cfg.logger.artifacts:
-            publish_metrics_table(rt.run_id, rows)
-            md = _rollout_sample(rt, step, cfg.logger.num_rollouts_to_show)
+            publisher.submit(publish_metrics_table, rt.run_id, rows)
+            md = _rollout_sample(rt, step, cfg.logger.num_rollouts_to_show, rw["rewards"].tolist())
             if md:
-                publish_rollouts(rt.run_id, md)
+                publisher.submit(publish_rollouts, rt.run_id, md)
         line = format_console_line(rt.run_id, row, max_steps)
         logger.info(line)
         if cfg.logger.console:
             print(line, flush=True)
     if cfg.logger.artifacts:
-        progress.update(step, max_steps)
-    write_status(rt.layout, rt.storage_options, status="running", last_step=step, max_steps=max_steps)
+        publisher.submit(progress.update, step, max_steps)
     return {"checkpoint": ck, "refit": ref, "val": val, "metrics": row}
 
 
@@ -213,15 +202,15 @@ def run_one_step(rt: Runtime, cfg: MasterConfig, step: int) -> dict[str, Any]:
     """The data stages of one step (prompts → ... → train); returns their manifests."""
     from nrl_tasks.stages.advantages import advantages
     from nrl_tasks.stages.common import committed
-    from nrl_tasks.stages.generate import generate, prompts
+    from nrl_tasks.stages.generate import generate
     from nrl_tasks.stages.logprob import logprob
     from nrl_tasks.stages.score import score
     from nrl_tasks.stages.train import replay_train, train
 
     v = step - 1
     m: dict[str, Any] = {}
-    m["prompts"] = prompts(cfg, rt.run_id, step)
     m["rollouts"] = generate(cfg, rt.run_id, step, v)
+    m["prompts"] = committed(rt.layout.stage_uri(step, "prompts"), rt.storage_options)
     if m["rollouts"].get("weights_version") not in (None, v):
         raise RuntimeError(
             f"step {step}: committed rollouts were generated on weights version {m['rollouts']['weights_version']}, "
@@ -240,7 +229,18 @@ def run_one_step(rt: Runtime, cfg: MasterConfig, step: int) -> dict[str, Any]:
 
 
 def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) -> dict[str, Any]:
-    """Restore, then loop the steps of a run (the body of the flow, usable without Prefect's decorator)."""
+    """Restore, then loop the steps of a run (the body of the flow)."""
+    progress = ProgressHandle(rt.run_id)
+    publisher = BackgroundPublisher()
+    try:
+        return _loop(rt, cfg, chash=chash, resume=resume, progress=progress, publisher=publisher)
+    finally:
+        publisher.close()
+
+
+def _loop(
+    rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool, progress: ProgressHandle, publisher: BackgroundPublisher
+) -> dict[str, Any]:
     from nrl_tasks.stages.common import committed
     from nrl_tasks.stages.evaluate import validate
     from nrl_tasks.stages.refit import refit
@@ -248,7 +248,6 @@ def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) 
     logger = get_run_logger()
     layout, opts = rt.layout, rt.storage_options
     max_steps = cfg.grpo.max_num_steps
-    progress = ProgressHandle(rt.run_id)
     last = trained_prefix(layout, storage_options=opts)
     if last > max_steps:
         last = max_steps
@@ -259,7 +258,7 @@ def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) 
         manifests = {s: committed(layout.stage_uri(last, s), opts) for s in ("prompts", "rollouts", "rewards", "logprobs", "advantages", "train")}
         finish_step(
             rt, cfg, last, manifests, chash=chash, max_steps=max_steps, force_refit=True,
-            t_start=time.perf_counter(), progress=progress, write_line=not have_line,
+            t_start=time.perf_counter(), progress=progress, publisher=publisher, write_line=not have_line,
         )
     elif force:
         rcfg = cfg.grpo.refit
@@ -269,11 +268,11 @@ def run_grpo_steps(rt: Runtime, cfg: MasterConfig, *, chash: str, resume: bool) 
     step_wall: list[float] = []
     for step in range(last + 1, max_steps + 1):
         t0 = time.perf_counter()
-        _rename_flow_run(f"{rt.run_id}-step{step:04d}")
+        publisher.submit(_rename_flow_run, f"{rt.run_id}-step{step:04d}")
         manifests = run_one_step(rt, cfg, step)
         finish_step(
             rt, cfg, step, manifests, chash=chash, max_steps=max_steps, force_refit=False,
-            t_start=t0, progress=progress,
+            t_start=t0, progress=progress, publisher=publisher,
         )
         step_wall.append(time.perf_counter() - t0)
     return {"restored": restored, "first_step": last + 1, "step_wall_s": step_wall}
@@ -307,6 +306,7 @@ def grpo(
     if specs:
         deleted = apply_recompute(layout, specs, opts)
         logger.info("recompute %s: deleted %s", recompute, deleted)
+    check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
     write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash, error=None)
     logger.info("run %s at %s (config hash %s, resume=%s)", run_id, layout.run_uri, chash, resume)
     try:

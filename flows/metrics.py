@@ -102,7 +102,8 @@ def build_step_metrics(
     for name, stage in STAGE_SECONDS.items():
         s = get(stage, "seconds")
         row[f"{name}_s"] = s
-        total += s or 0.0
+        if name != "prompts":  # drawn inside the generate task: its time is part of generate_s
+            total += s or 0.0
     if refit is not None:
         row["refit_s"] = refit.get("seconds")
         total += refit.get("seconds") or 0.0

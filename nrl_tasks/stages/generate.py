@@ -1,4 +1,4 @@
-"""``prompts`` and ``generate`` stages: draw the step's prompts, sample the rollouts.
+"""``generate`` stage: draw the step's prompts (persisted as ``prompts``), sample the rollouts.
 
 Rollout batch columns (``B = num_prompts * num_generations``, rows of a group adjacent):
 
@@ -24,11 +24,13 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.faults import arm_actor_kill, fault_point
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation
 
 __all__ = [
     "build_prompt_batch",
     "decode_responses",
+    "ensure_prompts",
     "generate",
     "prompts",
     "rollouts_from_generation",
@@ -120,12 +122,11 @@ def generation_input(prompt_batch: BatchedDataDict) -> BatchedDataDict:
     )
 
 
-@task(name="prompts", task_run_name="prompts-{run_id}-step{step}", **TASK_DEFAULTS)
-def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
-    """Draw and tokenise the step's prompts; persist them as ``prompts``."""
-    from flows.runtime import get_runtime
+def ensure_prompts(cfg: Any, rt: Any, step: int) -> dict[str, Any]:
+    """Draw and tokenise the step's prompts and persist them as ``prompts`` (idempotent).
 
-    rt = get_runtime(cfg, run_id)
+    Runs inside the ``generate`` task (one Prefect task less per step); its dataset is still
+    the record of what the step was asked."""
     uri = rt.layout.stage_uri(step, "prompts")
     if (done := committed(uri, rt.storage_options)) is not None:
         return done
@@ -140,15 +141,32 @@ def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
         tokenizer=rt.tokenizer,
         max_prompt_tokens=cfg.max_prompt_tokens(),
     )
-    return save_output(
-        batch, uri, run_id=run_id, step=step, stage="prompts", weights_version=None,
+    out = save_output(
+        batch, uri, run_id=rt.run_id, step=step, stage="prompts", weights_version=None,
         storage_options=rt.storage_options, seconds=timer.total(),
     )
+    out["batch"] = batch
+    return out
 
 
-@task(name="generate", task_run_name="generate-{run_id}-step{step}", **TASK_DEFAULTS)
+@task(name="prompts", task_run_name="prompts-{run_id}-step{step}", **TASK_DEFAULTS)
+def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
+    """The ``prompts`` dataset of a step as its own task (the flow lets ``generate`` do it)."""
+    from flows.runtime import get_runtime
+
+    out = ensure_prompts(cfg, get_runtime(cfg, run_id), step)
+    out.pop("batch", None)
+    return out
+
+
+@task(name="generate", task_run_name="generate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
-    """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``."""
+    """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
+
+    Retried on actor faults: dead or stuck generation workers are re-created and fully refitted
+    to ``weights_version`` first; the per-sample seeds come from the persisted prompts, so the
+    regenerated rollouts are the ones the first attempt would have produced.
+    """
     import storage
     from flows.runtime import get_runtime
 
@@ -158,8 +176,14 @@ def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
         return done
     fault_point("generate", step, "before")
     timer = StageTimer()
+    with timer.phase("recover"):
+        recovery = ensure_generation(rt, cfg, weights_version)
     with timer.phase("load"):
-        prompt_batch = storage.load_batch(rt.layout.stage_uri(step, "prompts"), **rt.storage_kw)
+        pm = ensure_prompts(cfg, rt, step)
+        prompt_batch = pm.pop("batch", None)
+        if prompt_batch is None:
+            prompt_batch = storage.load_batch(rt.layout.stage_uri(step, "prompts"), **rt.storage_kw)
+    arm_actor_kill("generation", "generate", step, rt.generation.workers)
     with timer.phase("generate"):
         gen_out = rt.generation.generate(generation_input(prompt_batch), greedy=False, weights_version=weights_version)
     fault_point("generate", step, "during")
@@ -169,8 +193,9 @@ def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
     out = save_output(
         rollouts, uri, run_id=run_id, step=step, stage="rollouts", weights_version=weights_version,
         storage_options=rt.storage_options, seconds=timer.total(), generate_seconds=gen_s,
-        new_tokens=new_tokens, tokens_per_s=new_tokens / max(gen_s, 1e-9),
+        new_tokens=new_tokens, tokens_per_s=new_tokens / max(gen_s, 1e-9), prompts_seconds=pm.get("seconds"),
         truncated_frac=float(rollouts["truncated"].float().mean()),
+        recovered=bool(recovery["recreated"] or recovery["refit"]),
     )
     fault_point("generate", step, "after")
     return out

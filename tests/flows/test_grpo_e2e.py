@@ -93,7 +93,7 @@ def test_prefect_state_and_artifacts(e2e_run):
     assert len(runs) == 1 and runs[0].state.is_completed()
     assert runs[0].name == f"{RUN_ID}-step0003"
     names = {t.name for t in tasks}
-    for stage in ("prompts", "generate", "score", "logprob", "advantages", "train"):
+    for stage in ("generate", "score", "logprob", "advantages", "train"):
         assert f"{stage}-{RUN_ID}-step3" in names
     refit2 = [t for t in tasks if t.name == f"refit-{RUN_ID}-v2"]
     assert len(refit2) == 1 and refit2[0].run_count == 2 and refit2[0].state.is_completed()  # injected failure, retried
