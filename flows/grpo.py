@@ -27,6 +27,7 @@ from flows.config import MasterConfig, load_config
 from flows.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
 from flows.run_layout import RunLayout, validate_run_id
 from flows.recompute import apply_recompute, check_resume_data
+from flows.retention import RetentionPolicy, apply_retention
 from flows.run_state import (
     check_storage_root,
     init_run,
@@ -253,6 +254,7 @@ def _loop(
         last = max_steps
     restored = restore_policy_state(rt, cfg, last, logger)
     force = bool(resume or last > 0 or rt.generation_attached)
+    retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     if last > 0:
         have_line = any(int(r["step"]) == last for r in read_metrics(layout.metrics_uri, opts))
         manifests = {s: committed(layout.stage_uri(last, s), opts) for s in ("prompts", "rollouts", "rewards", "logprobs", "advantages", "train")}
@@ -260,6 +262,7 @@ def _loop(
             rt, cfg, last, manifests, chash=chash, max_steps=max_steps, force_refit=True,
             t_start=time.perf_counter(), progress=progress, publisher=publisher, write_line=not have_line,
         )
+        apply_retention(layout, retention, last, opts)
     elif force:
         rcfg = cfg.grpo.refit
         refit.with_options(retries=rcfg.retries, retry_delay_seconds=rcfg.retry_delay_s)(cfg, rt.run_id, 0, force=True, step=0)
@@ -274,6 +277,7 @@ def _loop(
             rt, cfg, step, manifests, chash=chash, max_steps=max_steps, force_refit=False,
             t_start=t0, progress=progress, publisher=publisher,
         )
+        apply_retention(layout, retention, step, opts)
         step_wall.append(time.perf_counter() - t0)
     return {"restored": restored, "first_step": last + 1, "step_wall_s": step_wall}
 
