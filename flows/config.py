@@ -42,6 +42,7 @@ __all__ = [
     "StorageRetryConfig",
     "config_hash",
     "config_to_yaml",
+    "credential_paths",
     "load_config",
     "load_config_dict",
     "redact",
@@ -184,11 +185,51 @@ class StorageRetryConfig(_Section):
         return RetryPolicy(attempts=self.attempts, initial_delay_s=self.initial_delay_s, max_delay_s=self.max_delay_s)
 
 
+_CREDENTIAL_NAMES = {"key", "secret", "token", "password", "passwd", "access_key", "secret_key", "session_token"}
+_CREDENTIAL_PARTS = ("secret", "password", "token", "credential", "access_key", "private_key")
+
+
+def credential_paths(options: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of credential-looking keys in nested ``options`` (``key``, ``secret``, ``*token*``...).
+
+    >>> credential_paths({"endpoint_url": "u", "key": "k", "client_kwargs": {"aws_secret_access_key": "s"}})
+    ['key', 'client_kwargs.aws_secret_access_key']
+    """
+    out: list[str] = []
+    if isinstance(options, dict):
+        for name, value in options.items():
+            low = str(name).lower()
+            path = f"{prefix}{name}"
+            if isinstance(value, dict):
+                out += credential_paths(value, path + ".")
+            elif value is not None and (low in _CREDENTIAL_NAMES or any(p in low for p in _CREDENTIAL_PARTS)):
+                out.append(path)
+    return out
+
+
 class StorageConfig(_Section):
+    """Where a run's files go. Credentials never go here: they come from the environment
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``)
+    or an AWS profile (``storage_options: {profile: name}``), because the config is saved with the
+    run and sent to Prefect as a flow parameter."""
+
     root: str = Field("./runs", description="local path, file:// or s3://bucket/prefix")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec/s3fs options")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec/s3fs options without credentials (endpoint_url, profile, ...)"
+    )
     keep_last_k_steps: int | None = Field(None, ge=1, description="retention of step batches (None: all)")
     retry: StorageRetryConfig = Field(default_factory=StorageRetryConfig, description="remote-storage backoff")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> "StorageConfig":
+        found = credential_paths(self.storage_options)
+        if found:
+            raise ValueError(
+                f"storage.storage_options.{found[0]} looks like a credential: configs are saved with the run and "
+                "sent to Prefect, so set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN in the "
+                "environment (or storage.storage_options.profile) instead"
+            )
+        return self
 
 
 class LoggerConfig(_Section):
