@@ -1,0 +1,157 @@
+"""The pure parts of the stages (no Ray): rollout assembly, advantages, train input, eval summary,
+fault-hook parsing, checkpoint commit protocol, metrics lines."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+
+
+class _Tok:
+    """Decodes ids as letters (a far-side stand-in for a tokenizer)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + (i % 26)) for i in ids)
+
+
+def _prompt_batch():
+    return BatchedDataDict(
+        {
+            "input_ids": torch.tensor([[5, 6, 0], [7, 0, 0]]),
+            "input_lengths": torch.tensor([2, 1]),
+            "group_id": torch.tensor([0, 0]),
+            "record_index": torch.tensor([3, 3]),
+            "seeds": torch.tensor([11, 12]),
+            "prompt": ["p", "p"],
+            "answer": ["x", "x"],
+        }
+    )
+
+
+def test_rollouts_from_generation_masks_response_tokens():
+    from nrl_tasks.stages.generate import rollouts_from_generation
+
+    gen = {
+        "output_ids": torch.tensor([[5, 6, 1, 2, 0], [7, 3, 0, 0, 0]]),
+        "logprobs": torch.tensor([[0, 0, -0.5, -0.25, 0], [0, -1.0, 0, 0, 0]]),
+        "generation_lengths": torch.tensor([2, 1]),
+        "unpadded_sequence_lengths": torch.tensor([4, 2]),
+        "truncated": torch.tensor([False, True]),
+    }
+    r = rollouts_from_generation(_prompt_batch(), gen, _Tok())
+    assert r["token_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]
+    assert r["input_lengths"].tolist() == [4, 2] and r["prompt_lengths"].tolist() == [2, 1]
+    assert r["response"] == ["bc", "d"]
+    assert torch.equal(r["generation_logprobs"], gen["logprobs"].float() * r["token_mask"])
+    assert r["seeds"].tolist() == [11, 12] and r["truncated"].tolist() == [False, True]
+
+
+def test_prompt_batch_repeats_groups_and_seeds_per_sample(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from nrl_tasks.stages.generate import build_prompt_batch, sample_seeds
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data_cfg = types.SimpleNamespace(shuffle=True, prompt_template="{prompt}", chat_template=False, system_prompt=None, overlong_prompts="reject")
+    recs = [{"prompt": f"What is {i}+1? Answer:", "answer": str(i + 1)} for i in range(10)]
+    b = build_prompt_batch(recs, step=2, num_prompts=3, num_generations=4, seed=5, data_cfg=data_cfg, tokenizer=tok, max_prompt_tokens=32)
+    assert b.size == 12 and b["group_id"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert len(set(b["record_index"].tolist())) == 3
+    assert b["seeds"].tolist() == sample_seeds(5, 2, "generate", 12).tolist()
+    again = build_prompt_batch(recs, step=2, num_prompts=3, num_generations=4, seed=5, data_cfg=data_cfg, tokenizer=tok, max_prompt_tokens=32)
+    assert torch.equal(again["input_ids"], b["input_ids"])
+
+
+def test_advantages_and_train_input():
+    from nrl_tasks.stages.advantages import compute_advantages
+    from nrl_tasks.stages.train import build_train_data
+
+    grpo = types.SimpleNamespace(use_leave_one_out_baseline=True, normalize_rewards=True)
+    adv = compute_advantages(torch.tensor([0, 0, 0, 0]), torch.tensor([1.0, 0, 0, 0]), torch.tensor([True, True, True, False]), grpo)
+    a = adv["advantages"].tolist()
+    assert a[3] == 0.0 and a[0] > 0 > a[1] and a[1] == pytest.approx(a[2])
+    assert adv["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    rollouts = BatchedDataDict(
+        {
+            "input_ids": torch.zeros(4, 3, dtype=torch.int64),
+            "input_lengths": torch.full((4,), 3),
+            "token_mask": torch.tensor([[0, 1, 1]] * 4, dtype=torch.float32),
+            "generation_logprobs": torch.zeros(4, 3),
+        }
+    )
+    lp = BatchedDataDict({"prev_logprobs": torch.zeros(4, 3), "reference_policy_logprobs": torch.zeros(4, 3)})
+    data = build_train_data(rollouts, lp, adv)
+    assert data["advantages"].shape == (4, 3)
+    assert data["advantages"][0].tolist() == [0.0, pytest.approx(a[0]), pytest.approx(a[0])]
+    assert set(data.keys()) >= {"input_ids", "input_lengths", "token_mask", "sample_mask", "prev_logprobs",
+                                "generation_logprobs", "reference_policy_logprobs"}
+
+
+def test_summarize_eval_pass_at_k():
+    from nrl_tasks.stages.evaluate import summarize_eval
+
+    s = BatchedDataDict(
+        {
+            "mode": ["greedy", "greedy", "sample", "sample", "sample", "sample"],
+            "record_index": torch.tensor([0, 1, 0, 0, 1, 1]),
+            "reward": torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0]),
+            "reward_valid": torch.tensor([True, True, True, True, True, True]),
+        }
+    )
+    out = summarize_eval(s)
+    assert out == {"accuracy": 0.5, "num_prompts": 2, "pass_at_k": 0.5, "k": 2, "sample_reward_mean": 0.25}
+
+
+def test_fault_hook_parsing_and_noop(monkeypatch):
+    from nrl_tasks.stages.faults import ENV_VAR, fault_point, parse_fault_points
+
+    assert parse_fault_points("train@3:after,checkpoint@2:before") == {("train", 3, "after"), ("checkpoint", 2, "before")}
+    with pytest.raises(ValueError, match="stage@step"):
+        parse_fault_points("train3")
+    monkeypatch.setenv(ENV_VAR, "train@3:after")
+    fault_point("train", 3, "before")  # not the named point: nothing happens
+    fault_point("train", 2, "after")
+
+
+def test_checkpoint_commit_protocol(tmp_path):
+    """A checkpoint exists for readers only once checkpoint.json is in place (tmp dir renamed)."""
+    import os
+
+    from nrl_tasks.stages.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+
+    class FakePolicy:  # the far side of the interface: writes files like Policy.save_checkpoint
+        def save_checkpoint(self, weights_path, optimizer_path=None, tokenizer_path=None):
+            for p in {weights_path, optimizer_path, tokenizer_path} - {None}:
+                os.makedirs(p, exist_ok=True)
+                (open(os.path.join(p, "x.safetensors"), "wb")).write(b"w")
+
+    root = tmp_path / "checkpoints"
+    save_checkpoint(FakePolicy(), str(root / "step_000002"), {"step": 2, "weights_version": 2})
+    os.makedirs(root / "step_000004")  # half-written leftover without checkpoint.json
+    os.makedirs(root / ".tmp-step_000005-abc")
+    assert list_checkpoints(str(root)) == [(2, str(root / "step_000002"))]
+    assert latest_checkpoint(str(root), max_step=1) is None
+    info = json.loads((root / "step_000002" / "checkpoint.json").read_text())
+    assert info["step"] == 2 and os.path.isfile(root / "step_000002" / "weights" / "x.safetensors")
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-step_000002")]
+
+
+def test_metrics_upsert_one_line_per_step(tmp_path):
+    from flows.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
+
+    uri = str(tmp_path / "metrics.jsonl")
+    m = {"rewards": {"reward_mean": 0.5, "seconds": 0.1}, "train": {"loss": 0.2, "grad_norm": 1.0, "seconds": 0.3},
+         "rollouts": {"seconds": 0.4, "tokens_per_s": 100.0}}
+    for step in (1, 2, 1, 3, 2):
+        upsert_metrics(uri, build_step_metrics(step, m, refit={"seconds": 0.05}), None)
+    rows = read_metrics(uri)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert rows[0]["stages_s"] == pytest.approx(0.1 + 0.3 + 0.4 + 0.05)
+    line = format_console_line("r", rows[0], 3)
+    assert "step 1/3" in line and "reward 0.500" in line and "refit 0.05s" in line
