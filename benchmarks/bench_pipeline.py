@@ -125,6 +125,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"| {st} | {f if f is None else round(f, 4)} | {m if m is None else round(m, 4)} |")
     print(f"| **step wall** | **{flow_step:.4f}** | **{mem_step:.4f}** |")
     print(f"\noverhead ratio (flow - loop) / loop: **{overhead * 100:.1f}%** ({(flow_step - mem_step) * 1000:.0f} ms per step)")
+    # within the flow run itself (robust to load drifting between the two runs on a shared
+    # machine): step wall time minus the time spent in actor calls and the reward function
+    inner = [w - r["compute_s"] for w, r in zip(flow_wall[warm], flow_w) if r.get("compute_s") is not None]
+    if inner:
+        in_run = statistics.median(inner)
+        comp = statistics.median(r["compute_s"] for r in flow_w if r.get("compute_s") is not None)
+        print(
+            f"in-run overhead of the flow (step wall - actor/reward time): {in_run * 1000:.0f} ms per step = "
+            f"**{100 * in_run / comp:.1f}%** of {comp:.3f} s of work"
+        )
     same = flow_sum == mem_sum
     print(f"final weights identical (flow vs loop): {same} ({flow_sum[:16]})")
     return {"overhead": overhead, "flow_step_s": flow_step, "mem_step_s": mem_step, "identical": same}

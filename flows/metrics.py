@@ -98,6 +98,11 @@ def build_step_metrics(
     row["truncated_frac"] = get("rollouts", "truncated_frac")
     row["tokens_per_s"] = get("rollouts", "tokens_per_s")
     row["train_tokens_per_s"] = get("train", "tokens_per_s")
+    # time spent in actor calls / reward functions (the work itself; the rest of step_s is
+    # orchestration, persistence and bookkeeping)
+    compute = [get("rollouts", "generate_seconds"), get("rewards", "seconds"), get("logprobs", "compute_seconds"),
+               get("train", "train_seconds"), (refit or {}).get("seconds")]
+    row["compute_s"] = sum(c for c in compute if c is not None) if any(c is not None for c in compute) else None
     total = 0.0
     for name, stage in STAGE_SECONDS.items():
         s = get(stage, "seconds")

@@ -55,7 +55,7 @@ def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str,
     res = save_output(
         out, uri, run_id=run_id, step=step, stage="logprobs", weights_version=weights_version,
         storage_options=rt.storage_options, seconds=timer.total(),
-        tokens_per_s=tokens / max(timer.seconds["compute"], 1e-9),
+        tokens_per_s=tokens / max(timer.seconds["compute"], 1e-9), compute_seconds=timer.seconds["compute"],
     )
     fault_point("logprob", step, "after")
     return res

@@ -147,3 +147,18 @@ def test_eval_sweep_twice(e2e_run, prefect_harness):
     second = eval_sweep(root, num_samples=2, max_prompts=4)  # by storage prefix this time
     assert second["evaluated"] == []
     assert sorted(second["skipped"]) == sorted(first["evaluated"])
+
+
+def test_evaluate_checkpoint_on_a_user_dataset(e2e_run, prefect_harness, tmp_path):
+    import storage
+
+    from flows.evaluate import evaluate_checkpoint
+
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i}+2? Answer:", "answer": str(i + 2)}) + "\n" for i in range(3)))
+    res = evaluate_checkpoint(RUN_ID, "step_000002", dataset=str(data), storage=e2e_run["root"], num_samples=0)
+    assert res["skipped"] is False and res["rows"] == 3 and res["dataset"] == str(data)
+    samples = storage.load_batch(res["uri"])
+    assert samples["mode"] == ["greedy"] * 3 and samples["answer"] == ["2", "3", "4"]
+    again = evaluate_checkpoint(RUN_ID, "step_000002", dataset=str(data), storage=e2e_run["root"], num_samples=0)
+    assert again["skipped"] is True and again["uri"] == res["uri"]
