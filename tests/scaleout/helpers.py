@@ -55,3 +55,49 @@ def read_env_file(path: str) -> dict[str, str]:
                 k, v = line[len("export ") :].split("=", 1)
                 out[k] = v
     return out
+
+
+def run_tracked(cmd: Sequence[str], env: Mapping[str, str], timeout: float, log_path: str, cwd: str = REPO) -> tuple[int, str]:
+    """Run ``cmd`` with its output in ``log_path``; return ``(returncode, output)``.
+
+    Every process it starts is tracked while it runs; whatever of them outlives it (a process
+    killed by SIGKILL leaves its Prefect ephemeral server behind, for instance) is stopped by
+    PID afterwards. Raises ``subprocess.TimeoutExpired`` (after cleaning up) past ``timeout``.
+    """
+    import time
+
+    import psutil
+
+    seen: set[psutil.Process] = set()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            list(cmd), env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    root = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None:
+            try:
+                seen.update(root.children(recursive=True))
+            except psutil.Error:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(list(cmd), timeout)
+            time.sleep(0.5)
+    finally:
+        left = [p for p in seen if p.is_running()]
+        for p in left:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(left, timeout=20)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    with open(log_path, errors="replace") as fh:
+        return proc.returncode, fh.read()
