@@ -31,7 +31,15 @@ def test_backoff_schedule_and_validation():
             RetryPolicy(**bad)
 
 
-def test_settings_precedence(monkeypatch):
+@pytest.fixture
+def no_explicit_policy():
+    """Start from the environment/defaults (a flow run earlier in the session sets its config's)."""
+    old = set_retry_policy(None)
+    yield
+    set_retry_policy(old)
+
+
+def test_settings_precedence(monkeypatch, no_explicit_policy):
     monkeypatch.setenv("NRL_STORAGE_RETRY_ATTEMPTS", "3")
     monkeypatch.setenv("NRL_STORAGE_RETRY_INITIAL_S", "0.01")
     assert get_retry_policy().attempts == 3 and get_retry_policy().initial_delay_s == 0.01
