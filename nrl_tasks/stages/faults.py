@@ -149,7 +149,10 @@ def _watch_and_strike(_actor: Any, names: Sequence[str], how: str, timeout_s: fl
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os.kill(os.getpid(), signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
-                    return f.f_code.co_name  # only reached after SIGCONT
+                    # a signal to one's own process group takes effect asynchronously: never return
+                    # (a reply would tell the flow process the watcher gave up)
+                    while True:
+                        time.sleep(1.0)
                 f = f.f_back
         time.sleep(0.0005)
     return None
@@ -189,8 +192,12 @@ def _kill_when_frozen(handle: Any, proc: Any, watcher: Any, event: dict[str, Any
         except psutil.NoSuchProcess:
             return
         done, _ = ray.wait([watcher], timeout=0)
-        if done:  # the watcher gave up (the call never came)
-            _record({**event, "fired": False})
+        if done:  # the watcher gave up (the call never came) or failed
+            try:
+                outcome = repr(ray.get(watcher))
+            except Exception as exc:  # noqa: BLE001
+                outcome = f"{type(exc).__name__}: {exc}"[:500]
+            _record({**event, "fired": False, "watcher": outcome})
             return
         time.sleep(0.001)
     else:

@@ -236,19 +236,25 @@ def _mark_stale_and_read(actor: Any) -> dict[str, Any]:
     return actor.get_weights_state()
 
 
-def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float = 5.0) -> dict[str, Any]:
+def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float = 2.0) -> dict[str, Any]:
     """Clean up after a failed attempt (bounded, best effort); returns what it found.
 
     Each generation worker that answers is marked stale (again) and reports its state from its
     control thread; the producer's broadcast group is closed (queued behind a blocked broadcast,
-    not waited for). Dead workers are reported ``alive: False``.
+    not waited for). Per worker ``alive``: True (answered), False (dead), None (no answer within
+    ``timeout_s``: hung, or still unwinding its broadcast; it stays stale either way, since only a
+    complete refit clears the flag).
     """
+    import ray
+
     states = []
     workers = rt.generation.workers if rt.generation is not None else []
     for rank, w in enumerate(workers):
         try:
             st = _control_call(w, _mark_stale_and_read, timeout_s)
             states.append({**st, "rank": rank, "alive": True})
+        except ray.exceptions.GetTimeoutError:
+            states.append({"rank": rank, "alive": None, "error": "no answer"})
         except Exception as exc:  # noqa: BLE001 - dead or unreachable
             states.append({"rank": rank, "alive": False, "error": type(exc).__name__})
     try:

@@ -9,16 +9,23 @@ One 3-step run (in this process, Prefect test server, the session's Ray) suffers
   worker, refits it fully to version 1 and regenerates step 2 with the persisted seeds;
 - ``policy:train@2`` (``ray.kill`` inside ``train``, no checkpoint yet): the train retry
   re-creates the worker group, replays ``train`` of step 1 from its persisted batches and trains 2;
-- ``generation:refit@2:sigkill`` (the consumer dies mid-broadcast): the refit retry re-creates
-  the worker and a new communicator;
+- ``generation:refit@2:freeze`` (the consumer hangs mid-broadcast, neither answering nor dying):
+  the refit attempt hits its deadline and is aborted; the retry finds the worker unresponsive,
+  re-creates it and refits over a new communicator;
 - ``policy:train@3:sigkill``: the train retry restores checkpoint 2 and trains 3.
+
+Then, on the run's live actors, the producer (policy) is killed inside the packed broadcast:
+the surviving generation worker is left stale and refuses to generate, and the next refit
+re-creates and restores the policy (checkpoint 3) before streaming.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
+import torch
 
 from tests.faults.helpers import (
     assert_same_rollouts,
@@ -31,7 +38,7 @@ from tests.faults.helpers import (
 from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_config
 
 RUN_ID = "faults-actors"
-FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:sigkill, policy:train@3:sigkill"
+FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:freeze, policy:train@3:sigkill"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +48,10 @@ def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_
 
     root = str(tmp_path_factory.mktemp("faulted"))
     log = os.path.join(root, "faults.jsonl")
-    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.refit.timeout_s": 30.0})
-    env = {faults.ACTOR_ENV_VAR: FAULTS, faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "1"}
+    cfg = tiny_run_config(
+        tiny_model_dir, root, ray_session, **{"grpo.refit.timeout_s": 6.0, "generation.refit_timeout_s": 6.0}
+    )
+    env = {faults.ACTOR_ENV_VAR: FAULTS, faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "1", "NRL_PROBE_TIMEOUT_S": "3"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -53,6 +62,12 @@ def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for e in read_fault_log(log):  # a frozen worker's process is ours to end
+            if e.get("how") == "freeze":
+                try:
+                    os.kill(e["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     yield {"root": root, "cfg": cfg, "log": read_fault_log(log), "result": result, "baseline": e2e_run["root"]}
     kill_run_actors(RUN_ID)
 
@@ -91,32 +106,61 @@ def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
     assert rows["step"] == 3
 
 
-def test_refit_consumer_killed_mid_broadcast_is_retried(faulted_run):
+def test_refit_consumer_frozen_hits_deadline_and_is_retried(faulted_run):
+    e = fired(faulted_run["log"], "generation", "refit", 2)
+    assert e["how"] == "freeze" and e["fired"] is True
     runs = task_runs(f"refit-{RUN_ID}-v2")
-    assert runs and max(t.run_count for t in runs) >= 2
+    assert runs and max(t.run_count for t in runs) == 2  # the deadline, then a successful retry
     assert all(t.state.is_completed() for t in runs)
 
 
+def _refuses(worker, version) -> None:
+    import ray
+
+    from nrl_tasks.models.generation.interfaces import StaleWeightsError
+
+    shard = {"input_ids": torch.tensor([[5, 6, 7]]), "input_lengths": torch.tensor([3])}
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(worker.generate.remote(shard, False, weights_version=version), timeout=60)
+    assert isinstance(ei.value.cause, StaleWeightsError), ei.value
+
+
 def test_refit_producer_killed_mid_broadcast(faulted_run):
-    """The policy (producer) dies inside the packed broadcast: the attempt fails and is aborted
-    (generation workers stale), the retry re-creates the policy, restores checkpoint 3 and refits
-    with a new communicator; generation then holds exactly the trained weights."""
+    """The policy (producer) dies inside the packed broadcast: the attempt fails, the abort
+    leaves the generation worker stale (it refuses every version), and the next refit re-creates
+    the policy, restores checkpoint 3 and streams over a new communicator."""
+    import ray
+
     from flows.config import load_config
     from flows.runtime import get_runtime
     from nrl_tasks.stages import faults
-    from nrl_tasks.stages.refit import refit
+    from nrl_tasks.stages.recovery import is_actor_fault
+    from nrl_tasks.stages.refit import abort_refit, refit, refit_weights
 
     cfg = load_config(faulted_run["cfg"])
     rt = get_runtime(cfg, RUN_ID)
+    want = train_checksum(faulted_run["root"], RUN_ID, 3)
     old_pid = rt.policy.worker_status()[0]["pid"]
     os.environ[faults.ACTOR_ENV_VAR] = "policy:refit@203"
     try:
-        out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, 3, force=True, step=203)
+        with pytest.raises(Exception) as ei:
+            refit_weights(rt.policy, rt.generation, 3, timeout_s=20.0, step=203)
     finally:
         os.environ.pop(faults.ACTOR_ENV_VAR, None)
-    assert out["attempts"] == 2 and len(out["failed_attempts"]) == 1
-    assert all(g["stale"] for g in out["failed_attempts"][0]["generation"] if g["alive"])
-    assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created
-    want = train_checksum(faulted_run["root"], RUN_ID, 3)
+    assert is_actor_fault(ei.value), repr(ei.value)
+    info = abort_refit(rt, ei.value, 1)
+    assert info["generation"][0]["alive"] is not False, info  # the consumer survived (maybe still unwinding)
+    assert info["generation"][0].get("stale", True), info
+    worker = rt.generation.workers[0]
+    state = ray.get(worker.get_weights_state.remote(), timeout=60)
+    if state["stale"]:  # neither the new, nor the old, nor "any" weights
+        for version in (3, 2, None):
+            _refuses(worker, version)
+    else:  # every byte had arrived before the producer died: then they are exactly the trained weights
+        assert state["weights_version"] == 3 and ray.get(worker.weights_checksum.remote()) == want
+
+    out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, 3, force=True, step=204)
+    assert out["weights_version"] == 3
+    assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created, restored from checkpoint 3
     assert rt.policy.weights_checksum() == want
     assert rt.generation.weights_version == 3 and rt.generation.weights_checksum() == want
