@@ -130,6 +130,7 @@ def ensure_prompts(cfg: Any, rt: Any, step: int) -> dict[str, Any]:
     uri = rt.layout.stage_uri(step, "prompts")
     if (done := committed(uri, rt.storage_options)) is not None:
         return done
+    fault_point("prompts", step, "before")
     timer = StageTimer()
     batch = build_prompt_batch(
         rt.train_records(),
@@ -141,10 +142,12 @@ def ensure_prompts(cfg: Any, rt: Any, step: int) -> dict[str, Any]:
         tokenizer=rt.tokenizer,
         max_prompt_tokens=cfg.max_prompt_tokens(),
     )
+    fault_point("prompts", step, "during")
     out = save_output(
         batch, uri, run_id=rt.run_id, step=step, stage="prompts", weights_version=None,
         storage_options=rt.storage_options, seconds=timer.total(),
     )
+    fault_point("prompts", step, "after")
     out["batch"] = batch
     return out
 
