@@ -49,15 +49,21 @@ def local_ray_cpus(cfg: MasterConfig) -> int:
     return int(max(os.cpu_count() or 1, need + 1))
 
 
-def connect_ray(cfg: MasterConfig) -> str:
-    """Connect to ``cluster.ray.address`` / ``RAY_ADDRESS`` or start a local Ray; GCS address."""
+def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
+    """Connect to ``cluster.ray.address`` / ``RAY_ADDRESS`` or start a local Ray; GCS address.
+
+    ``namespace``: the driver's Ray namespace when this process connects first. Placement groups
+    are named in their creating driver's namespace, so a flow process uses its run's namespace
+    (:func:`namespace_for`): the next flow process of the run (a resume) then finds and reuses
+    them instead of reserving new ones, and a cleanup can remove them by name.
+    """
     from nrl_tasks.distributed.virtual_cluster import init_ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.cluster.ray.address
     if address or os.environ.get("RAY_ADDRESS"):
-        return init_ray(address)
-    return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg))
+        return init_ray(address, namespace=namespace)
+    return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
 
 
 def load_tokenizer(cfg: MasterConfig) -> Any:
@@ -258,7 +264,7 @@ def setup_runtime(cfg: MasterConfig, run_id: str, *, with_actors: bool = True) -
     )
     if with_actors:
         rt.train_records()
-    connect_ray(cfg)
+    connect_ray(cfg, namespace=rt.namespace)
     if with_actors:
         rt.start_policy()
         rt.start_generation()
