@@ -20,7 +20,9 @@ import os
 import sys
 import time
 
-DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_tiny_demo.yaml")
+_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEMO_CONFIG = os.path.join(_CONFIGS, "grpo_tiny_demo.yaml")
+SMOLLM2_CONFIG = os.path.join(_CONFIGS, "grpo_smollm2.yaml")
 
 
 def _env() -> None:
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--run-id", default=None)
+    ap.add_argument(
+        "--smollm2", action="store_true",
+        help="GRPO on the real SmolLM2-135M-Instruct (configs/grpo_smollm2.yaml, no SFT); ~1 min per step on 2 cores",
+    )
     ap.add_argument("overrides", nargs="*", help="GRPO config overrides")
     args = ap.parse_args(argv)
     _env()
@@ -54,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     from flows.models import resolve_model_path
     from flows.sft import sft
 
+    if args.smollm2:
+        config = SMOLLM2_CONFIG if args.config == DEMO_CONFIG else args.config
+        cfg = load_config(config, args.overrides)
+        print(f"[demo] 1/2 model: {cfg.policy.model_name} -> {resolve_model_path(cfg.policy.model_name)}", flush=True)
+        print(f"[demo] 2/2 nrl grpo --config {os.path.relpath(config)} ({cfg.grpo.max_num_steps} steps)", flush=True)
+        rc = nrl(["grpo", "--config", config, "--storage", args.storage, "--run-id", run_id, *args.overrides])
+        return rc if rc != 0 else _report(args, run_id, t0)
     cfg = load_config(args.config, args.overrides)
     print(f"[demo] 1/3 model: {cfg.policy.model_name} -> {resolve_model_path(cfg.policy.model_name)}", flush=True)
     print(f"[demo] 2/3 SFT warm start: {args.sft_steps} steps of NLL on reference answers", flush=True)
@@ -67,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
               f"policy.model_name={warm['weights']}", *args.overrides])
     if rc != 0:
         return rc
+    return _report(args, run_id, t0)
 
+
+def _report(args: argparse.Namespace, run_id: str, t0: float) -> int:
     from flows.metrics import read_metrics
     from flows.run_layout import RunLayout
     from flows.run_state import normalize_root
@@ -79,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         bar = "#" * int(round(40 * (r.get("reward_mean") or 0.0)))
         print(f"  step {r['step']:3d}  {r.get('reward_mean') or 0.0:5.3f}  {bar}")
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    print(f"\n[demo] mean reward, first 3 steps: {first:.3f}; last 3 steps: {last:.3f} ({'rising' if last > first else 'NOT rising'})")
+    k = max(1, min(3, len(rewards) // 2))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    print(f"\n[demo] mean reward, first {k} steps: {first:.3f}; last {k} steps: {last:.3f} ({'rising' if last > first else 'NOT rising'})")
     print(f"[demo] total time {time.perf_counter() - t0:.0f} s")
     print(f"[demo] metrics:     {layout.metrics_uri}")
     print(f"[demo] batches:     {layout.steps_uri}/step_*/{{prompts,rollouts,rewards,logprobs,advantages,train}} (Arrow)")
