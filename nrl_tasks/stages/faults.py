@@ -148,10 +148,15 @@ def _watch_and_strike(_actor: Any, names: Sequence[str], how: str, timeout_s: fl
                 if f.f_code.co_name in wanted:
                     sys.stdout.flush()
                     sys.stderr.flush()
+                    # A signal to one's own process lands asynchronously. Until it does, keep the
+                    # GIL (no switch for 30 s, busy loop of C calls): the call under attack cannot
+                    # get back into Python, so it cannot return its result first.
+                    sys.setswitchinterval(30.0)
                     os.kill(os.getpid(), signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
-                    # a signal to one's own process group takes effect asynchronously: never return
-                    # (a reply would tell the flow process the watcher gave up)
-                    while True:
+                    spin_end = time.monotonic() + 5.0
+                    while time.monotonic() < spin_end:
+                        pass
+                    while True:  # never reply: a reply would tell the flow process the watcher gave up
                         time.sleep(1.0)
                 f = f.f_back
         time.sleep(0.0005)
