@@ -26,14 +26,9 @@ SMOLLM2_CONFIG = os.path.join(_CONFIGS, "grpo_smollm2.yaml")
 
 
 def _env() -> None:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    # the ephemeral API server may need more than Prefect's default 20 s on a busy 2-core machine
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from flows.cli import _quiet_env
+
+    _quiet_env()  # the same quiet, offline defaults as the `nrl` CLI
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
