@@ -21,99 +21,42 @@ survive pickling, so Ray transport, and ``to()``; not Arrow persistence, ``from_
 Every shard gets the same number of micro-batches per global batch, so data-parallel ranks stay
 in lock-step. ``get_batch(g)`` keeps global batch ``g``'s plan; the iterators walk every global
 batch the dict holds.
+
+The class keeps every method; the work behind some lives in sibling modules:
+:mod:`~nrl_tasks.distributed.batch_columns` (per-column checks, row selection, concatenation),
+:mod:`~nrl_tasks.distributed.microbatch_plan` (``DynamicBatchingCfg``, ``SequencePackingCfg``
+and the planner behind ``shard_by_batch_size``) and :mod:`~nrl_tasks.distributed.batch_gather`
+(``all_gather``). The cfg types are re-exported here.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections import UserDict
-from typing import Any, Generic, Iterator, Literal, Mapping, Optional, Sequence, TypedDict
+from typing import Any, Generic, Iterator, Mapping, Optional, Sequence
 from typing import Self, TypeVar, Union
 
 import torch
 
-from nrl_tasks.distributed.dynamic_batching import plan_dynamic_shards
-from nrl_tasks.distributed.sequence_packing import plan_packed_shards
+from nrl_tasks.distributed.batch_columns import concat_column, positive_int, rows_of, take_rows
+from nrl_tasks.distributed.batch_gather import all_gather_columns
+from nrl_tasks.distributed.microbatch_plan import (
+    DynamicBatchingCfg,
+    MicroBatchKind,
+    SequencePackingCfg,
+    plan_shards,
+)
+
+__all__ = [
+    "BatchedDataDict",
+    "DictT",
+    "DynamicBatchingCfg",
+    "MicroBatchKind",
+    "SequencePackingCfg",
+    "SlicedDataDict",
+]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
-MicroBatchKind = Literal["dynamic", "packing"]
-
-
-class DynamicBatchingCfg(TypedDict):
-    """Dynamic batching settings for ``shard_by_batch_size`` (units: tokens)."""
-
-    max_tokens_per_microbatch: int  # rows x padded length of a micro-batch never exceeds this
-    sequence_length_round: int  # a micro-batch's length is rounded up to this multiple
-    input_key: str  # column of input ids, [B, S]; S caps the padded length
-    input_lengths_key: str  # column of per-row token counts, [B]
-
-
-class SequencePackingCfg(TypedDict):
-    """Sequence packing settings for ``shard_by_batch_size`` (units: tokens)."""
-
-    max_tokens_per_microbatch: int  # bin capacity: padded tokens of all rows in a bin
-    input_key: str  # column of input ids, [B, S]
-    input_lengths_key: str  # column of per-row token counts, [B]
-    algorithm: str  # "first_fit_decreasing" | "modified_first_fit_decreasing"
-    sequence_length_pad_multiple: int  # each row's length is padded up to this multiple
-
-
-def _rows_of(key: str, value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0:
-            raise ValueError(f"column {key!r} is a 0-d tensor; the batch must be on dim 0")
-        return value.shape[0]
-    if isinstance(value, list):
-        return len(value)
-    raise TypeError(f"column {key!r} holds a {type(value).__name__}; expected a tensor or a list")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _take(value: torch.Tensor | list, rows: Sequence[int]) -> torch.Tensor | list:
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=value.device))
-    return [value[i] for i in rows]
-
-
-def _concat(key: str, parts: Sequence[Any], pad_value: float) -> torch.Tensor | list:
-    """Concatenate one column's pieces; tensors of rank >= 2 are right-padded on dim 1."""
-    if all(isinstance(p, list) for p in parts):
-        return [item for p in parts for item in p]
-    if not all(isinstance(p, torch.Tensor) for p in parts):
-        kinds = sorted({type(p).__name__ for p in parts})
-        raise TypeError(f"column {key!r} mixes {kinds} across batches; expected all tensors or lists")
-    dtypes, ndims = {p.dtype for p in parts}, {p.ndim for p in parts}
-    if len(dtypes) > 1 or len(ndims) > 1:
-        shapes = [(tuple(p.shape), str(p.dtype)) for p in parts]
-        raise ValueError(f"column {key!r} has mismatched dtypes or ranks across batches: {shapes}")
-    if ndims == {0}:
-        raise ValueError(f"column {key!r} is a 0-d tensor; the batch must be on dim 0")
-    if ndims == {1}:
-        return torch.cat(list(parts))
-    if len({tuple(p.shape[2:]) for p in parts}) > 1:
-        raise ValueError(
-            f"column {key!r}: dims after 1 must match across batches, got "
-            f"{[tuple(p.shape) for p in parts]}"
-        )
-    width = max(p.shape[1] for p in parts)
-    if all(p.shape[1] == width for p in parts):
-        return torch.cat(list(parts))
-    first = parts[0]
-    out = torch.full(
-        (sum(p.shape[0] for p in parts), width, *first.shape[2:]),
-        pad_value, dtype=first.dtype, device=first.device,
-    )
-    row = 0
-    for p in parts:
-        out[row : row + p.shape[0], : p.shape[1]] = p
-        row += p.shape[0]
-    return out
 
 
 class BatchedDataDict(UserDict, Generic[DictT]):
@@ -176,7 +119,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     @property
     def size(self) -> int:
         """Rows in the batch (0 when there are no columns)."""
-        sizes = {k: _rows_of(k, v) for k, v in self.data.items()}
+        sizes = {k: rows_of(k, v) for k, v in self.data.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"columns have different numbers of rows: {sizes}")
         return next(iter(sizes.values()), 0)
@@ -226,7 +169,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 batch.size  # noqa: B018 (validates equal row counts)
         out = cls()
         for k in keys:
-            out[k] = _concat(k, [batch[k] for batch in batches], pad_value_dict.get(k, 0))
+            out[k] = concat_column(k, [batch[k] for batch in batches], pad_value_dict.get(k, 0))
         out.size  # noqa: B018
         return out
 
@@ -253,7 +196,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 raise ValueError(f"index {i!r} out of range for a batch of {size} rows")
         out = type(self)()
         for k, v in self.data.items():
-            out[k] = _take(v, rows)
+            out[k] = take_rows(v, rows)
         return out
 
     def reorder_data(self, indices: Union[Sequence[int], torch.Tensor]) -> None:
@@ -278,7 +221,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for position, original in enumerate(order):
             inverse[original] = position
         for k, v in self.data.items():
-            self.data[k] = _take(v, inverse)
+            self.data[k] = take_rows(v, inverse)
         self._clear_plan()
 
     # ------------------------------------------------------------------------ slicing
@@ -299,7 +242,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         >>> BatchedDataDict({"x": list("AAABBBDDE")}).chunk(rank=2, chunks=3)
         {'x': ['D', 'D', 'E']}
         """
-        _positive_int("chunks", chunks)
+        positive_int("chunks", chunks)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < chunks:
             raise ValueError(f"rank {rank!r} out of range for {chunks} chunks")
         size = self.size
@@ -339,7 +282,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             return out
         if batch_size is None:
             raise ValueError("get_batch needs batch_size when the batch carries no plan")
-        _positive_int("batch_size", batch_size)
+        positive_int("batch_size", batch_size)
         end = (batch_idx + 1) * batch_size
         if end > self.size:
             raise ValueError(
@@ -358,7 +301,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         >>> r["key"].tolist(), r["other_key"]
         ([1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 3, 3])
         """
-        _positive_int("num_repeats", num_repeats)
+        positive_int("num_repeats", num_repeats)
         self.size  # noqa: B018
         out = type(self)()
         for k, v in self.data.items():
@@ -385,7 +328,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     # --------------------------------------------------------------------- iterators
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["SlicedDataDict"]:
         """Consecutive micro-batches of ``microbatch_size`` rows (must divide ``size``)."""
-        _positive_int("microbatch_size", microbatch_size)
+        positive_int("microbatch_size", microbatch_size)
         size = self.size
         if size % microbatch_size:
             raise ValueError(f"batch of {size} rows is not a multiple of microbatch_size "
@@ -472,7 +415,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         [{'problem_id': [0, 1, 2], 'arbitrary_data': [10, 11, 12]}, {'problem_id': [3, 4], 'arbitrary_data': [13, 14]}]
         >>> # This is incompatible with the batch_size argument
         """
-        _positive_int("shards", shards)
+        positive_int("shards", shards)
         if dynamic_batching_cfg is not None and sequence_packing_cfg is not None:
             raise ValueError("pass dynamic_batching_cfg or sequence_packing_cfg, not both")
         if allow_uneven_shards and batch_size is not None:
@@ -483,7 +426,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if batch_size is None:
             batch_size = total
         else:
-            _positive_int("batch_size", batch_size)
+            positive_int("batch_size", batch_size)
         if batch_size and total % batch_size:
             raise ValueError(f"batch of {total} rows is not a multiple of batch_size {batch_size}")
         num_gb = total // batch_size if batch_size else 0
@@ -507,39 +450,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self, shards: int, batch_size: int, cfg: Mapping[str, Any], kind: MicroBatchKind
     ) -> tuple[list["SlicedDataDict"], list[int]]:
         """Shard for dynamic batching or sequence packing; validates ``cfg`` against the batch."""
-        spec = DynamicBatchingCfg if kind == "dynamic" else SequencePackingCfg
-        missing = [k for k in spec.__annotations__ if k not in cfg]
-        if missing:
-            raise ValueError(f"{spec.__name__} is missing {missing}")
-        input_key, lengths_key = cfg["input_key"], cfg["input_lengths_key"]
-        for key in (input_key, lengths_key):
-            if key not in self.data:
-                raise ValueError(f"column {key!r} named in {spec.__name__} is not in the batch "
-                                 f"(columns: {list(self.data)})")
-        inputs, raw = self.data[input_key], self.data[lengths_key]
-        if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
-            raise ValueError(f"column {input_key!r} must be a [B, S] tensor, got "
-                             f"{getattr(inputs, 'shape', type(inputs).__name__)}")
-        width = inputs.shape[1]
-        lengths = raw.tolist() if isinstance(raw, torch.Tensor) else list(raw)
-        for i, n in enumerate(lengths):
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= width:
-                raise ValueError(f"row {i}: {lengths_key}={n!r} is not an int in [0, {width}] "
-                                 f"(the width of {input_key!r})")
-        max_tokens = _positive_int("max_tokens_per_microbatch", cfg["max_tokens_per_microbatch"])
-        num_gb = len(lengths) // batch_size if batch_size else 0
-        if kind == "dynamic":
-            round_to = _positive_int("sequence_length_round", cfg["sequence_length_round"])
-            rows, ranges, padded = plan_dynamic_shards(
-                lengths, width, shards, batch_size, max_tokens, round_to, lengths_key
-            )
-            plans = [(ranges, padded, [batch_size // shards] * num_gb)] * shards
-        else:
-            multiple = _positive_int("sequence_length_pad_multiple",
-                                     cfg["sequence_length_pad_multiple"])
-            rows, plans = plan_packed_shards(
-                lengths, shards, batch_size, max_tokens, cfg["algorithm"], multiple, lengths_key
-            )
+        rows, plans = plan_shards(self.data, shards, batch_size, cfg, kind)
         out = []
         for s in range(shards):
             shard = SlicedDataDict(self.select_indices(rows[s]).data)
@@ -556,53 +467,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         travel with ``all_gather_object`` (pickle, in transit only). A rank with no columns
         contributes no rows. Every rank raises the same ``ValueError`` on a schema mismatch.
         """
-        dist = torch.distributed
-        world, me = dist.get_world_size(group), dist.get_rank(group)
         self.size  # noqa: B018 (validates columns before anyone sends)
-        schema = {k: ("tensor", v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else ("list",)
-                  for k, v in self.data.items()}
-        lists = {k: v for k, v in self.data.items() if isinstance(v, list)}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (schema, lists), group=group)
-        ranks = [r for r in range(world) if gathered[r][0]]
-        out = BatchedDataDict()
-        if not ranks:
-            return out
-        ref = gathered[ranks[0]][0]
-        for r in ranks:
-            for k in set(gathered[r][0]) | set(ref):
-                a, b = gathered[r][0].get(k), ref.get(k)
-                if a is None or b is None or a[0] != b[0] or (a[0] == "tensor" and (
-                        a[1] != b[1] or len(a[2]) != len(b[2]) or a[2][2:] != b[2][2:])):
-                    raise ValueError(f"all_gather: column {k!r} is {a} on rank {r} but {b} on rank "
-                                     f"{ranks[0]} (columns, dtypes, ranks and dims >= 2 must agree)")
-        tensor_keys = [k for k in ref if ref[k][0] == "tensor"]
-        # every rank's tensor columns travel as 16-byte aligned byte ranges of one buffer
-        spans: list[dict[str, tuple[int, int]]] = [{} for _ in range(world)]
-        for r in ranks:
-            pos = 0
-            for k in tensor_keys:
-                nbytes = math.prod(gathered[r][0][k][2]) * ref[k][1].itemsize
-                spans[r][k] = (pos, pos + nbytes)
-                pos += -(-nbytes // 16) * 16
-        size = max([end for sp in spans for _, end in sp.values()] + [1])
-        if tensor_keys:
-            on_cuda = "gloo" not in str(dist.get_backend(group))
-            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-            send = torch.zeros(-(-size // 16) * 16, dtype=torch.uint8, device=device)
-            for k, (start, end) in spans[me].items():
-                send[start:end] = self.data[k].detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-            received = [torch.empty_like(send) for _ in range(world)]
-            dist.all_gather(received, send, group=group)
-        for k, desc in ref.items():
-            if desc[0] == "list":
-                out[k] = [item for r in ranks for item in gathered[r][1][k]]
-                continue
-            parts = [received[r][slice(*spans[r][k])].view(desc[1]).reshape(gathered[r][0][k][2])
-                     for r in ranks]
-            mine = self.data.get(k)  # results live where this rank's column lived
-            out[k] = _concat(k, parts, 0).to(mine.device if isinstance(mine, torch.Tensor) else parts[0].device)
-        return out
+        return BatchedDataDict(all_gather_columns(self.data, group))
 
 
 class SlicedDataDict(BatchedDataDict):
