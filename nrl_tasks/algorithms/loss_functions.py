@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -122,6 +122,36 @@ def _sample_mask(data: Mapping[str, Any], like: Tensor) -> Tensor:
     return sample_mask
 
 
+class _MaskedInputs(NamedTuple):
+    logprobs: Tensor  # [B, S-1] float32, the policy's next-token logprobs (keeps the gradient)
+    token_mask: Tensor  # [B, S-1] float32, 1 on response tokens
+    sample_mask: Tensor  # [B] float32, 1 on sequences that count
+    mask: Tensor  # [B, S-1] float32, token_mask * sample_mask
+    columns: dict[str, Tensor]  # [B, S-1] float32 each, 0 wherever mask is 0
+
+
+def _masked_inputs(
+    next_token_logprobs: Tensor, data: Mapping[str, Any], keys: tuple[str, ...] = ()
+) -> _MaskedInputs:
+    """The prologue every loss shares: checked, aligned, masked inputs.
+
+    ``next_token_logprobs`` ``[B, S-1]`` (nats) is cast to float32; ``data["token_mask"]`` and
+    ``data[k]`` for ``k`` in ``keys`` (``[B, S]``, ``get_logprobs`` convention) are sliced
+    ``[:, 1:]`` to ``[B, S-1]`` float32, ``data["sample_mask"]`` ``[B]`` is read as float32.
+    The ``keys`` columns are zeroed where ``mask == 0`` (padding, prompt, dropped samples) so
+    NaN/inf there cannot leak into values or gradients. ``ValueError`` names a missing key or
+    a wrong shape.
+    """
+    logprobs = next_token_logprobs.float()
+    d = _slice_data(data, ("token_mask", *keys), logprobs)
+    sample_mask = _sample_mask(data, logprobs)
+    token_mask = d["token_mask"]
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    keep = mask > 0
+    columns = {k: torch.where(keep, d[k], torch.zeros_like(d[k])) for k in keys}
+    return _MaskedInputs(logprobs, token_mask, sample_mask, mask, columns)
+
+
 class ClippedPGLossFn:
     """Clipped policy-gradient loss (PPO / GRPO) with a KL penalty to the reference policy.
 
@@ -153,21 +183,9 @@ class ClippedPGLossFn:
         global_valid_toks: Tensor | float | None,
     ) -> tuple[Tensor, dict[str, float]]:
         cfg = self.cfg
-        curr = next_token_logprobs.float()
-        d = _slice_data(
-            data,
-            ("token_mask", "advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"),
-            curr,
-        )
-        sample_mask = _sample_mask(data, curr)
-        token_mask = d["token_mask"]
-        mask = token_mask * sample_mask.unsqueeze(-1)
-        # masked positions (padding, prompt) must not leak NaN/inf into values or gradients
-        keep = mask > 0
-        adv, prev, gen, ref = (
-            torch.where(keep, d[k], torch.zeros_like(d[k]))
-            for k in ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
-        )
+        keys = ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+        curr, token_mask, sample_mask, mask, d = _masked_inputs(next_token_logprobs, data, keys)
+        adv, prev, gen, ref = (d[k] for k in keys)
 
         def reduce(per_token: Tensor) -> Tensor:
             if self.loss_type == LossType.TOKEN_LEVEL:
@@ -229,10 +247,7 @@ class NLLLossFn:
         global_valid_seqs: Tensor | float | None,
         global_valid_toks: Tensor | float | None,
     ) -> tuple[Tensor, dict[str, float]]:
-        logprobs = next_token_logprobs.float()
-        token_mask = _slice_data(data, ("token_mask",), logprobs)["token_mask"]
-        sample_mask = _sample_mask(data, logprobs)
-        mask = token_mask * sample_mask.unsqueeze(-1)
+        logprobs, _, sample_mask, mask, _ = _masked_inputs(next_token_logprobs, data)
         loss = -masked_mean(logprobs, mask, global_normalization_factor=global_valid_toks)
         return loss, {
             "loss": loss.item(),
