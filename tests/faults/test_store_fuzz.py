@@ -84,20 +84,42 @@ def _shard(draw: Any) -> int:
     return draw(st.integers(0, NUM_SHARDS - 1))
 
 
+def _byte_edit_args(draw: Any, kind: str, max_append: int) -> tuple:
+    """Arguments of byte edit ``kind``: truncate ``(fraction,)``, flip ``(fraction, xor)``,
+    append ``(bytes,)``; ``()`` for kinds without arguments (delete, empty, ...)."""
+    if kind == "truncate":
+        return (draw(st.floats(0.0, 0.999)),)
+    if kind == "flip":
+        return (draw(st.floats(0.0, 0.999)), draw(st.integers(1, 255)))
+    if kind == "append":
+        return (draw(st.binary(min_size=1, max_size=max_append)),)
+    return ()
+
+
+def _edit_bytes(target: str, kind: str, args: tuple) -> None:
+    """Rewrite file ``target`` with byte edit ``kind`` (args from :func:`_byte_edit_args`):
+    truncate to a fraction of its length, XOR one byte, append bytes, or empty it."""
+    data = bytearray(open(target, "rb").read())
+    if kind == "truncate":
+        data = data[: int(args[0] * len(data))]
+    elif kind == "flip" and data:
+        data[int(args[0] * len(data))] ^= args[1]
+    elif kind == "append":
+        data += args[0]
+    elif kind == "empty":
+        data = bytearray()
+    with open(target, "wb") as fh:
+        fh.write(data)
+
+
 @st.composite
 def shard_mutation(draw: Any) -> tuple:
     kind = draw(st.sampled_from(["truncate", "flip", "append", "delete", "duplicate", "extra", "empty"]))
     i = _shard(draw)
-    if kind == "truncate":
-        return (kind, i, draw(st.floats(0.0, 0.999)))
-    if kind == "flip":
-        return (kind, i, draw(st.floats(0.0, 0.999)), draw(st.integers(1, 255)))
-    if kind == "append":
-        return (kind, i, draw(st.binary(min_size=1, max_size=64)))
     if kind == "duplicate":
         j = draw(st.integers(0, NUM_SHARDS - 1).filter(lambda j: j != i))
         return (kind, i, j)
-    return (kind, i)
+    return (kind, i, *_byte_edit_args(draw, kind, max_append=64))
 
 
 def apply_shard_mutation(path: str, names: list[str], m: tuple) -> None:
@@ -105,26 +127,14 @@ def apply_shard_mutation(path: str, names: list[str], m: tuple) -> None:
     target = os.path.join(path, names[i])
     if not os.path.exists(target):  # deleted by the first mutation of a pair
         return
-    data = bytearray(open(target, "rb").read())
-    if kind == "truncate":
-        data = data[: int(m[2] * len(data))]
-    elif kind == "flip" and data:
-        data[int(m[2] * len(data))] ^= m[3]
-    elif kind == "append":
-        data += m[2]
-    elif kind == "delete":
+    if kind == "delete":
         os.unlink(target)
-        return
     elif kind == "duplicate":  # shard j's file replaced by a copy of shard i
         shutil.copyfile(target, os.path.join(path, names[m[2]]))
-        return
     elif kind == "extra":  # an unexpected shard file next to the real ones
         shutil.copyfile(target, os.path.join(path, f"part-{NUM_SHARDS + 3:05d}.arrow"))
-        return
-    elif kind == "empty":
-        data = bytearray()
-    with open(target, "wb") as fh:
-        fh.write(data)
+    else:
+        _edit_bytes(target, kind, m[2:])
 
 
 _PLAUSIBLE_STRINGS = [
@@ -211,13 +221,7 @@ def apply_manifest_json_mutation(path: str, m: tuple) -> None:
 @st.composite
 def manifest_bytes_mutation(draw: Any) -> tuple:
     kind = draw(st.sampled_from(["truncate", "flip", "append", "delete", "empty"]))
-    if kind == "truncate":
-        return ("mbytes", kind, draw(st.floats(0.0, 0.999)))
-    if kind == "flip":
-        return ("mbytes", kind, draw(st.floats(0.0, 0.999)), draw(st.integers(1, 255)))
-    if kind == "append":
-        return ("mbytes", kind, draw(st.binary(min_size=1, max_size=32)))
-    return ("mbytes", kind)
+    return ("mbytes", kind, *_byte_edit_args(draw, kind, max_append=32))
 
 
 def apply_manifest_bytes_mutation(path: str, m: tuple) -> None:
@@ -227,18 +231,8 @@ def apply_manifest_bytes_mutation(path: str, m: tuple) -> None:
         return
     if kind == "delete":
         os.unlink(target)
-        return
-    data = bytearray(open(target, "rb").read())
-    if kind == "truncate":
-        data = data[: int(m[2] * len(data))]
-    elif kind == "flip" and data:
-        data[int(m[2] * len(data))] ^= m[3]
-    elif kind == "append":
-        data += m[2]
-    elif kind == "empty":
-        data = bytearray()
-    with open(target, "wb") as fh:
-        fh.write(data)
+    else:
+        _edit_bytes(target, kind, m[2:])
 
 
 mutation = st.one_of(shard_mutation(), manifest_json_mutation(), manifest_bytes_mutation())
