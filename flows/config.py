@@ -8,8 +8,9 @@ found are reported together in one :class:`ConfigError` (a ``ValueError``).
 
 The *config hash* covers everything that changes the numbers a run produces; it leaves out
 where things run and are written (``cluster.ray``, ``storage``), how they are shown
-(``logger``), the length of the run (``grpo.max_num_steps``, so a finished run can be extended)
-and the checkpoint cadence/retention. Resuming with a different hash is refused.
+(``logger``), the length of the run (``grpo.max_num_steps``, so a finished run can be extended),
+retry settings (``grpo.refit``, ``grpo.stage_retries``, ``grpo.stage_retry_delay_s``) and the
+checkpoint cadence/retention. Resuming with a different hash is refused.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import os
 from typing import Any, Iterable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.stages.recovery import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
 
 __all__ = [
     "CheckpointingConfig",
@@ -58,6 +60,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _check_delays(value: list[float]) -> list[float]:
+    """Retry backoff list: each delay >= 0 s, at most 50 (Prefect's limit); the last one repeats."""
+    bad = [d for d in value if not d >= 0]  # also catches NaN
+    if bad:
+        raise ValueError(f"retry delays must be >= 0 seconds, got {bad[0]!r}")
+    if len(value) > 50:
+        raise ValueError(f"at most 50 retry delays (the last one repeats), got {len(value)}")
+    return value
+
+
 class RefitConfig(_Section):
     """How weights move from the Policy to the generation workers after each ``train``."""
 
@@ -65,6 +77,8 @@ class RefitConfig(_Section):
     retries: int = Field(3, ge=0, description="Prefect retries of the refit task")
     retry_delay_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0], description="backoff (s)")
     verify_checksum: bool = Field(False, description="debug: compare generation weights checksums after refit")
+
+    _delays = field_validator("retry_delay_s")(_check_delays)
 
 
 class GRPOConfig(_Section):
@@ -78,7 +92,18 @@ class GRPOConfig(_Section):
     max_val_samples: int = Field(32, ge=1)
     val_batch_size: int = Field(32, ge=1)
     seed: int = 42
+    stage_retries: int = Field(
+        DEFAULT_STAGE_RETRIES, ge=0,
+        description="Prefect retries of a stage that calls actors (generate, logprob, train, checkpoint, "
+        "validate) after an actor fault; 0: the first fault fails the run",
+    )
+    stage_retry_delay_s: list[float] = Field(
+        default_factory=lambda: list(DEFAULT_STAGE_RETRY_DELAY_S),
+        description="backoff before each stage retry (s); the last value repeats",
+    )
     refit: RefitConfig = Field(default_factory=RefitConfig)
+
+    _delays = field_validator("stage_retry_delay_s")(_check_delays)
 
 
 class ArithmeticDataConfig(_Section):
@@ -413,7 +438,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "cluster": {"ray"},
     "storage": True,
     "logger": True,
-    "grpo": {"max_num_steps", "refit"},
+    "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
 }
 

@@ -8,6 +8,9 @@ with the flow process) or hold other weights than the run's trained prefix, the 
 is restored and the ``train`` stages after it are *replayed* from their persisted batches (no
 regeneration). Every resume then starts the generation side with a full refit.
 
+Stages that call actors run with the run's ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``
+(retried on actor faults only), the refit with ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s``.
+
 Per step: one line in ``metrics.jsonl``, a Prefect table artifact of all lines, a progress
 artifact, a markdown artifact with the best and worst rollouts, a console line; the flow run is
 renamed ``<run_id>-step<N>`` as it goes.
@@ -162,19 +165,20 @@ def finish_step(
     """Checkpoint (if due), refit, validate (if due), then the metrics line and artifacts."""
     from nrl_tasks.stages.checkpoint import checkpoint
     from nrl_tasks.stages.evaluate import validate
+    from nrl_tasks.stages.recovery import with_stage_retries
     from nrl_tasks.stages.refit import refit
 
     logger = get_run_logger()
     ck = None
     if cfg.checkpointing.enabled and _due(cfg.checkpointing.save_period, step, max_steps):
-        ck = checkpoint(cfg, rt.run_id, step, chash)
+        ck = with_stage_retries(checkpoint, cfg)(cfg, rt.run_id, step, chash)
     rcfg = cfg.grpo.refit
     ref = refit.with_options(retries=rcfg.retries, retry_delay_seconds=rcfg.retry_delay_s)(
         cfg, rt.run_id, step, force=force_refit, step=step
     )
     val = None
     if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
-        val = validate(cfg, rt.run_id, step, step)
+        val = with_stage_retries(validate, cfg)(cfg, rt.run_id, step, step)
     row = None
     if write_line:
         import storage
@@ -205,12 +209,13 @@ def run_one_step(rt: Runtime, cfg: MasterConfig, step: int) -> dict[str, Any]:
     from nrl_tasks.stages.common import committed
     from nrl_tasks.stages.generate import generate
     from nrl_tasks.stages.logprob import logprob
+    from nrl_tasks.stages.recovery import with_stage_retries
     from nrl_tasks.stages.score import score
     from nrl_tasks.stages.train import replay_train, train
 
     v = step - 1
     m: dict[str, Any] = {}
-    m["rollouts"] = generate(cfg, rt.run_id, step, v)
+    m["rollouts"] = with_stage_retries(generate, cfg)(cfg, rt.run_id, step, v)
     m["prompts"] = committed(rt.layout.stage_uri(step, "prompts"), rt.storage_options)
     if m["rollouts"].get("weights_version") not in (None, v):
         raise RuntimeError(
@@ -218,14 +223,14 @@ def run_one_step(rt: Runtime, cfg: MasterConfig, step: int) -> dict[str, Any]:
             f"expected {v}; recompute them with --recompute generate@{step}"
         )
     m["rewards"] = score(cfg, rt.run_id, step)
-    m["logprobs"] = logprob(cfg, rt.run_id, step, v)
+    m["logprobs"] = with_stage_retries(logprob, cfg)(cfg, rt.run_id, step, v)
     m["advantages"] = advantages(cfg, rt.run_id, step)
     done = committed(rt.layout.stage_uri(step, "train"), rt.storage_options)
     if done is not None and rt.policy.weights_version == v:
         replay_train(rt, cfg, step)  # trained earlier (e.g. before a --recompute of this step)
         m["train"] = done
     else:
-        m["train"] = train(cfg, rt.run_id, step)
+        m["train"] = with_stage_retries(train, cfg)(cfg, rt.run_id, step)
     return m
 
 
@@ -244,6 +249,7 @@ def _loop(
 ) -> dict[str, Any]:
     from nrl_tasks.stages.common import committed
     from nrl_tasks.stages.evaluate import validate
+    from nrl_tasks.stages.recovery import with_stage_retries
     from nrl_tasks.stages.refit import refit
 
     logger = get_run_logger()
@@ -267,7 +273,7 @@ def _loop(
         rcfg = cfg.grpo.refit
         refit.with_options(retries=rcfg.retries, retry_delay_seconds=rcfg.retry_delay_s)(cfg, rt.run_id, 0, force=True, step=0)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
-        validate(cfg, rt.run_id, 0, 0)
+        with_stage_retries(validate, cfg)(cfg, rt.run_id, 0, 0)
     step_wall: list[float] = []
     for step in range(last + 1, max_steps + 1):
         t0 = time.perf_counter()

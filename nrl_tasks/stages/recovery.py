@@ -1,9 +1,12 @@
 """Recovery of a run's actors inside stage retries: dead or stuck workers are re-created and
 brought back to the run's state from what is persisted.
 
-Every stage that calls actors (``generate``, ``logprob``, ``train``, ``checkpoint``, ``refit``)
-is a Prefect task retried on *actor faults* (:func:`is_actor_fault`: a dead or unreachable
-actor, a missed deadline, stale weights) and calls, before its work:
+Every stage that calls actors (``generate``, ``logprob``, ``train``, ``checkpoint``, ``validate``,
+``refit``) is a Prefect task retried on *actor faults* (:func:`is_actor_fault`: a dead or
+unreachable actor, a missed deadline, stale weights): the flow applies the run's
+``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` (``grpo.refit.*`` for ``refit``) with
+:func:`with_stage_retries`; the decorators carry the same defaults (:data:`STAGE_RETRY`) for direct
+calls. Before its work each such stage calls:
 
 - :func:`ensure_policy` ``(version)``: the policy must answer (every rank, within
   :data:`PROBE_TIMEOUT_S`) and hold exactly the run's weights after ``train`` of step
@@ -33,6 +36,8 @@ from typing import Any
 
 __all__ = [
     "PROBE_TIMEOUT_S",
+    "DEFAULT_STAGE_RETRIES",
+    "DEFAULT_STAGE_RETRY_DELAY_S",
     "STAGE_RETRY",
     "DamagedRunError",
     "attempt_number",
@@ -47,6 +52,8 @@ __all__ = [
     "recreate_policy",
     "restore_policy",
     "retry_on_actor_fault",
+    "stage_retry_options",
+    "with_stage_retries",
 ]
 
 _log = logging.getLogger(__name__)
@@ -116,12 +123,36 @@ def retry_on_actor_fault(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-#: Options merged into the decorators of the stages that call actors.
+#: Decorator defaults of the stages that call actors, for direct task calls; the flow applies the
+#: run's ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` (:func:`with_stage_retries`).
+DEFAULT_STAGE_RETRIES = 2
+DEFAULT_STAGE_RETRY_DELAY_S: tuple[float, ...] = (1.0, 3.0)
+
+#: Options merged into the decorators of the stages that call actors (the defaults above).
 STAGE_RETRY: dict[str, Any] = {
-    "retries": int(os.environ.get("NRL_STAGE_RETRIES", "2")),
-    "retry_delay_seconds": [1.0, 3.0],
+    "retries": DEFAULT_STAGE_RETRIES,
+    "retry_delay_seconds": list(DEFAULT_STAGE_RETRY_DELAY_S),
     "retry_condition_fn": retry_on_actor_fault,
 }
+
+
+def stage_retry_options(cfg: Any) -> dict[str, Any]:
+    """Prefect task options of an actor-calling stage for run config ``cfg``: ``retries`` =
+    ``grpo.stage_retries``, ``retry_delay_seconds`` = ``grpo.stage_retry_delay_s`` (s; the last
+    delay repeats), retried on actor faults only."""
+    grpo = getattr(cfg, "grpo", None)
+    retries = getattr(grpo, "stage_retries", DEFAULT_STAGE_RETRIES)
+    delays = getattr(grpo, "stage_retry_delay_s", DEFAULT_STAGE_RETRY_DELAY_S)
+    return {
+        "retries": int(retries),
+        "retry_delay_seconds": [float(d) for d in delays],
+        "retry_condition_fn": retry_on_actor_fault,
+    }
+
+
+def with_stage_retries(task: Any, cfg: Any) -> Any:
+    """``task`` with the run's stage-retry options (:func:`stage_retry_options`)."""
+    return task.with_options(**stage_retry_options(cfg))
 
 
 def attempt_number() -> int:
@@ -235,9 +266,9 @@ def recompute_step_inputs(rt: Any, cfg: Any, step: int, logger: Any = None) -> l
 
     _logger(logger).warning("recomputing %s of trained step %d before replaying it", missing, step)
     prompts(cfg, rt.run_id, step)
-    generate(cfg, rt.run_id, step, step - 1)
+    with_stage_retries(generate, cfg)(cfg, rt.run_id, step, step - 1)
     score(cfg, rt.run_id, step)
-    logprob(cfg, rt.run_id, step, step - 1)
+    with_stage_retries(logprob, cfg)(cfg, rt.run_id, step, step - 1)
     advantages(cfg, rt.run_id, step)
     return missing
 

@@ -164,3 +164,41 @@ def test_refit_producer_killed_mid_broadcast(faulted_run):
     assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created, restored from checkpoint 3
     assert rt.policy.weights_checksum() == want
     assert rt.generation.weights_version == 3 and rt.generation.weights_checksum() == want
+
+
+def test_stage_retries_zero_fails_the_stage_on_an_actor_fault(prefect_harness, ray_session, tiny_model_dir, tmp_path):
+    """``grpo.stage_retries=0``: the same actor kill that a default run rides out (above) fails
+    the ``train`` task at its first attempt, and with it the run (status ``failed``, step not trained)."""
+    import json
+
+    from flows.grpo import grpo
+    from nrl_tasks.stages import faults
+    from nrl_tasks.stages.recovery import is_actor_fault
+
+    run_id = "faults-no-stage-retry"
+    root = str(tmp_path)
+    log = os.path.join(root, "faults.jsonl")
+    cfg = tiny_run_config(
+        tiny_model_dir, root, ray_session,
+        **{"grpo.max_num_steps": 1, "grpo.stage_retries": 0, "checkpointing.enabled": False},
+    )
+    env = {faults.ACTOR_ENV_VAR: "policy:train@1", faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with pytest.raises(BaseException) as ei:
+            grpo(config=cfg, run_id=run_id)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        kill_run_actors(run_id)
+    assert fired(read_fault_log(log), "policy", "train", 1)["fired"] is True
+    assert is_actor_fault(ei.value), repr(ei.value)
+    runs = task_runs(f"train-{run_id}-step1")
+    assert [t.run_count for t in runs] == [1] and runs[0].state.is_failed()
+    status = json.loads(open(os.path.join(root, run_id, "status.json")).read())
+    assert status["status"] == "failed"
+    assert not os.path.exists(os.path.join(root, run_id, "steps", "step_000001", "train", "_manifest.json"))

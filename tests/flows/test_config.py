@@ -100,3 +100,42 @@ def test_policy_config_fills_generation_and_resolves_builtin(tmp_path, monkeypat
     assert pc.model_name == str(tmp_path / "tiny-seed0") and (tmp_path / "tiny-seed0" / "config.json").is_file()
     assert cfg.generation_config().model_name == pc.model_name
     assert cfg.max_prompt_tokens() == 64 - 8
+
+
+def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
+    """``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``: defaults equal the decorators', set
+    from YAML or ``key=value``, validated, turned into the stages' Prefect options, and outside
+    the config hash (a resume may change them)."""
+    from nrl_tasks.stages.recovery import STAGE_RETRY, retry_on_actor_fault, stage_retry_options, with_stage_retries
+    from nrl_tasks.stages.train import train
+
+    base = load_config(TINY)
+    assert base.grpo.stage_retries == STAGE_RETRY["retries"] == 2
+    assert base.grpo.stage_retry_delay_s == STAGE_RETRY["retry_delay_seconds"] == [1.0, 3.0]
+
+    cfg = load_config(TINY, ["grpo.stage_retries=0", "grpo.stage_retry_delay_s=[0.5, 2, 8]"])
+    assert cfg.grpo.stage_retries == 0 and cfg.grpo.stage_retry_delay_s == [0.5, 2.0, 8.0]
+    data = yaml.safe_load(open(TINY))
+    data["grpo"].update(stage_retries=5, stage_retry_delay_s=[0])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    from_yaml = load_config(path)
+    assert from_yaml.grpo.stage_retries == 5 and from_yaml.grpo.stage_retry_delay_s == [0.0]
+    assert config_hash(cfg) == config_hash(from_yaml) == config_hash(base)
+
+    opts = stage_retry_options(cfg)
+    assert opts == {"retries": 0, "retry_delay_seconds": [0.5, 2.0, 8.0], "retry_condition_fn": retry_on_actor_fault}
+    t = with_stage_retries(train, from_yaml)
+    assert (t.retries, t.retry_delay_seconds, t.retry_condition_fn) == (5, [0.0], retry_on_actor_fault)
+    assert (train.retries, train.retry_delay_seconds) == (2, [1.0, 3.0])  # the decorator is untouched
+
+    for overrides, needle in (
+        (["grpo.stage_retries=-1"], "grpo.stage_retries"),
+        (["grpo.stage_retry_delay_s=[1, -0.5]"], r"grpo.stage_retry_delay_s: retry delays must be >= 0 seconds, got -0.5"),
+        (["grpo.stage_retry_delay_s=fast"], "grpo.stage_retry_delay_s"),
+        (["grpo.refit.retry_delay_s=[-1]"], "grpo.refit.retry_delay_s: retry delays must be >= 0"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(TINY, overrides)
+    with pytest.raises(ConfigError, match="at most 50 retry delays"):
+        load_config(TINY, ["grpo.stage_retry_delay_s=[" + ",".join(["1"] * 51) + "]"])
