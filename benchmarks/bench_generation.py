@@ -27,14 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def best_of(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+from benchmarks._common import best_of, quiet_env
 
 
 def make_prompts(tokenizer, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, small batch (< 60 s)")
     args = parser.parse_args(argv)
+    quiet_env()
     torch.set_num_threads(1)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

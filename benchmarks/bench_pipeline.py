@@ -23,22 +23,14 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks._common import quiet_env
+
 STAGES = ("prompts", "generate", "score", "logprob", "advantages", "train", "refit")
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(vals) if vals else None
-
-
-def _setup_env(tmp: str) -> None:
-    os.environ.setdefault("PREFECT_HOME", os.path.join(tmp, "prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def run_memory(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, float]:
@@ -93,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 8)
     tmp = tempfile.mkdtemp(prefix="nrl-bench-pipeline-")
-    _setup_env(tmp)
+    quiet_env(prefect_home=os.path.join(tmp, "prefect"))
 
     from flows.config import load_config
     from flows.runtime import connect_ray

@@ -24,23 +24,10 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+from benchmarks._common import best_of, quiet_env
 
 
 def make_batch(rows: int, width: int, vocab: int, seed: int = 0):
@@ -186,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, < ~60 s")
     args = parser.parse_args(argv)
+    quiet_env()
     if args.quick:
         size = dict(hidden_size=64, num_layers=2, intermediate_size=128)
         rows, width, mbs, new, repeats = 32, 64, 8, 16, 2

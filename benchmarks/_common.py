@@ -1,0 +1,35 @@
+"""Shared set-up of the ``bench_*`` benchmarks: a quiet, offline environment and best-of timing."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def quiet_env(prefect_home: str | None = None) -> None:
+    """Default the environment to quiet and offline; call before Prefect, Ray or HF are imported.
+
+    The ``nrl`` CLI's defaults (no Prefect analytics, no Ray usage stats, no tokenizer
+    threads, HF hub offline, patient ephemeral Prefect server) plus Prefect logs at WARNING
+    and Ray token auth off. ``prefect_home``: where Prefect keeps its state (e.g. a temp dir).
+    Only unset variables are changed.
+    """
+    from flows.cli import _quiet_env
+
+    if prefect_home is not None:
+        os.environ.setdefault("PREFECT_HOME", prefect_home)
+    _quiet_env()
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """``(fastest wall seconds of repeats calls of fn, the last call's result)``."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
