@@ -4,6 +4,13 @@ Each step's line is assembled from the committed stage manifests of that step (s
 run can write the line of a step trained before the crash) plus the refit/validation/checkpoint
 results of the flow, and the whole file is rewritten atomically with the line replaced: a
 resume never duplicates a step.
+
+Attempts (stages retried on actor faults): ``generate_attempts``, ``logprob_attempts``,
+``train_attempts`` in every line, ``refit_attempts`` when the refit ran, ``checkpoint_attempts``
+and ``val_attempts`` in the lines of steps that checkpointed / validated. Each is the Prefect run
+count of the task attempt that returned (1: no retry, 2: one retry, ...), or **0** when the stage
+did no work in this flow run: its output was already committed (by an earlier flow run, before a
+resume) or, for the refit, the generation workers already held the weights.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ STAGE_SECONDS = {
     "advantages": "advantages",
     "train": "train",
 }
+
+#: stage name in the line ("<name>_attempts") -> dataset stage whose task result holds ``attempts``
+STAGE_ATTEMPTS = {"generate": "rollouts", "logprob": "logprobs", "train": "train"}
 
 
 def _fs():
@@ -119,9 +129,19 @@ def build_step_metrics(
         row["val_accuracy"] = val.get("val_accuracy")
         row["val_s"] = val.get("seconds")
     row["stages_s"] = total
+    for name, stage in STAGE_ATTEMPTS.items():
+        row[f"{name}_attempts"] = _attempts(manifests.get(stage))
+    for name, result in (("refit", refit), ("checkpoint", checkpoint), ("val", val)):
+        if result is not None:
+            row[f"{name}_attempts"] = _attempts(result)
     if wall_seconds is not None:
         row["step_s"] = wall_seconds
     return {k: _clean(v) for k, v in row.items()}
+
+
+def _attempts(result: Mapping[str, Any] | None) -> int:
+    """``attempts`` of a task result; 0 for a committed manifest read back (no task ran)."""
+    return int((result or {}).get("attempts") or 0)
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -129,7 +149,8 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
-    """``[run] step 3/10 reward 0.312 loss -0.012 | gen 1.2s score 0.0s lp 0.3s train 1.1s refit 0.1s | 512 tok/s``."""
+    """``[run] step 3/10 reward 0.312 loss -0.012 | gen 1.2s score 0.0s lp 0.3s train 1.1s refit 0.1s | 512 tok/s``,
+    plus ``| attempts train x2`` when a stage needed retries."""
     parts = [
         f"[{run_id}] step {row['step']}/{max_steps}",
         f"reward {_fmt(row.get('reward_mean'), '.3f')}",
@@ -144,4 +165,10 @@ def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> 
     tail = f"{_fmt(row.get('tokens_per_s'), '.0f')} tok/s"
     if row.get("step_s") is not None:
         tail += f" | step {row['step_s']:.2f}s"
+    retried = [
+        f"{key[: -len('_attempts')]} x{row[key]}" for key in row
+        if key.endswith("_attempts") and isinstance(row[key], int) and row[key] > 1
+    ]
+    if retried:
+        tail += " | attempts " + " ".join(retried)
     return " ".join(parts) + " | " + t + " | " + tail

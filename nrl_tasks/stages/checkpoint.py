@@ -26,7 +26,7 @@ from prefect import task
 
 from nrl_tasks.stages.common import TASK_DEFAULTS
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
 __all__ = [
     "COMMIT_FILE",
@@ -171,7 +171,8 @@ def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, 
     rt = get_runtime(cfg, run_id)
     uri = rt.layout.checkpoint_uri(step)
     if is_checkpoint_committed(uri, rt.storage_options):
-        return {"uri": uri, "skipped": True, **read_checkpoint_info(uri, rt.storage_options)}
+        info = read_checkpoint_info(uri, rt.storage_options)
+        return {"uri": uri, "skipped": True, **info, "attempts": stage_attempts(skipped=True)}
     fault_point("checkpoint", step, "before")
     ensure_policy(rt, cfg, step)  # a dead worker is re-created and restored first
     version = rt.policy.weights_version
@@ -191,4 +192,4 @@ def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, 
         storage_options=rt.storage_options, step_for_faults=step,
     )
     fault_point("checkpoint", step, "after")
-    return out
+    return {**out, "attempts": stage_attempts()}

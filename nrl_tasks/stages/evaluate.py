@@ -21,7 +21,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.faults import fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
 
 __all__ = ["evaluate", "evaluate_records", "summarize_eval", "validate"]
 
@@ -126,7 +126,7 @@ def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
     rt = get_runtime(cfg, run_id)
     uri = rt.layout.stage_uri(step, "val")
     if (done := committed(uri, rt.storage_options)) is not None:
-        return done
+        return {**done, "attempts": stage_attempts(skipped=True)}
     fault_point("validate", step, "before")
     timer = StageTimer()
     ensure_generation(rt, cfg, weights_version)
@@ -137,11 +137,12 @@ def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
         weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=rt.reward_model,
     )
     summary = summarize_eval(samples)
-    return save_output(
+    out = save_output(
         samples, uri, run_id=run_id, step=step, stage="val", weights_version=weights_version,
         storage_options=rt.storage_options, seconds=timer.total(),
         val_accuracy=summary.get("accuracy"), val_num_prompts=summary.get("num_prompts"),
     )
+    return {**out, "attempts": stage_attempts()}
 
 
 def _eval_key(dataset: str | None) -> str:

@@ -25,7 +25,7 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
 
 __all__ = [
     "build_prompt_batch",
@@ -176,7 +176,7 @@ def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
     rt = get_runtime(cfg, run_id)
     uri = rt.layout.stage_uri(step, "rollouts")
     if (done := committed(uri, rt.storage_options)) is not None:
-        return done
+        return {**done, "attempts": stage_attempts(skipped=True)}
     fault_point("generate", step, "before")
     timer = StageTimer()
     with timer.phase("recover"):
@@ -201,4 +201,4 @@ def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
         recovered=bool(recovery["recreated"] or recovery["refit"]),
     )
     fault_point("generate", step, "after")
-    return out
+    return {**out, "attempts": stage_attempts()}

@@ -16,7 +16,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
 __all__ = ["compute_logprobs", "logprob"]
 
@@ -42,7 +42,7 @@ def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str,
     rt = get_runtime(cfg, run_id)
     uri = rt.layout.stage_uri(step, "logprobs")
     if (done := committed(uri, rt.storage_options)) is not None:
-        return done
+        return {**done, "attempts": stage_attempts(skipped=True)}
     fault_point("logprob", step, "before")
     timer = StageTimer()
     ensure_policy(rt, cfg, weights_version)
@@ -58,4 +58,4 @@ def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str,
         tokens_per_s=tokens / max(timer.seconds["compute"], 1e-9), compute_seconds=timer.seconds["compute"],
     )
     fault_point("logprob", step, "after")
-    return res
+    return {**res, "attempts": stage_attempts()}

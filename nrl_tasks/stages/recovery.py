@@ -52,6 +52,7 @@ __all__ = [
     "recreate_policy",
     "restore_policy",
     "retry_on_actor_fault",
+    "stage_attempts",
     "stage_retry_options",
     "with_stage_retries",
 ]
@@ -163,6 +164,14 @@ def attempt_number() -> int:
         return int(task_run.run_count or 1)
     except Exception:  # noqa: BLE001
         return 1
+
+
+def stage_attempts(skipped: bool = False) -> int:
+    """What a stage reports as its ``attempts`` (the metrics line's ``<stage>_attempts``): the
+    Prefect run count of the attempt that returns (1: no retry), or 0 when the first attempt
+    found the output already committed (computed by an earlier flow run)."""
+    n = attempt_number()
+    return 0 if skipped and n == 1 else n
 
 
 def _logger(logger: Any = None) -> Any:

@@ -301,7 +301,7 @@ def refit(cfg: Any, run_id: str, weights_version: int, force: bool = False, step
     unless ``force``). Retries with backoff; each attempt has a hard deadline; a retry first
     re-creates dead or stuck workers on either side (see the module docstring)."""
     from flows.runtime import get_runtime
-    from nrl_tasks.stages.recovery import attempt_number, ensure_generation_alive, ensure_policy
+    from nrl_tasks.stages.recovery import attempt_number, ensure_generation_alive, ensure_policy, stage_attempts
 
     rt = get_runtime(cfg, run_id)
     log = get_run_logger()
@@ -309,7 +309,10 @@ def refit(cfg: Any, run_id: str, weights_version: int, force: bool = False, step
     if attempt > 1:
         ensure_generation_alive(rt, log)
     if not force and rt.generation.weights_version == weights_version:
-        return {"stage": "refit", "weights_version": weights_version, "seconds": 0.0, "skipped": True}
+        return {
+            "stage": "refit", "weights_version": weights_version, "seconds": 0.0, "skipped": True,
+            "attempts": stage_attempts(skipped=True),
+        }
     ensure_policy(rt, cfg, weights_version, log)  # a dead producer is re-created and restored
     s = step if step is not None else weights_version
     fault_point("refit", s, "before")

@@ -18,7 +18,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_meta
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy
+from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
 __all__ = ["build_train_data", "replay_train", "run_train", "train", "train_metrics"]
 
@@ -132,7 +132,7 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     rt = get_runtime(cfg, run_id)
     uri = rt.layout.stage_uri(step, "train")
     if (done := committed(uri, rt.storage_options)) is not None:
-        return done
+        return {**done, "attempts": stage_attempts(skipped=True)}
     fault_point("train", step, "before")
     timer = StageTimer()
     with timer.phase("recover"):
@@ -158,4 +158,4 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
         recovered=recovery["restored_from"] != "live", replayed=",".join(map(str, recovery.get("replayed", []))),
     )
     fault_point("train", step, "after")
-    return res
+    return {**res, "attempts": stage_attempts()}

@@ -106,6 +106,16 @@ def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
     assert rows["step"] == 3
 
 
+def test_metrics_lines_count_the_attempts(faulted_run):
+    """Each retried stage shows the attempt that succeeded in its step's metrics line."""
+    from flows.metrics import read_metrics
+
+    rows = read_metrics(os.path.join(faulted_run["root"], RUN_ID, "metrics.jsonl"))
+    got = {r["step"]: (r["generate_attempts"], r["logprob_attempts"], r["train_attempts"], r["refit_attempts"]) for r in rows}
+    assert got == {1: (1, 1, 1, 1), 2: (2, 1, 2, 2), 3: (1, 1, 2, 1)}, got
+    assert rows[1]["checkpoint_attempts"] == rows[2]["checkpoint_attempts"] == 1
+
+
 def test_refit_consumer_frozen_hits_deadline_and_is_retried(faulted_run):
     e = fired(faulted_run["log"], "generation", "refit", 2)
     assert e["how"] == "freeze" and e["fired"] is True
