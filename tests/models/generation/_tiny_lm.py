@@ -1,7 +1,9 @@
-"""A small in-memory Llama + BPE tokenizer for the generation tests (no download, ~1 s).
+"""A small in-memory Llama + BPE tokenizer for the generation tests (no download, ~1 s), and
+the helpers those tests share (loading a folder, encoding prompts, teacher-forced logprobs).
 
 Independent of ``nrl_tasks.models.tiny`` so the decode-loop tests do not depend on it; the
-Ray tests prefer the shared ``tiny_model_dir`` fixture and fall back to :func:`save_lm`.
+Ray tests prefer the shared ``tiny_model_dir`` fixture and fall back to :func:`save_lm`. Also
+imported by the vLLM tests in ``.venv-vllm``: torch at import, transformers/tokenizers lazily.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def make_lm(seed: int = 0, dtype: torch.dtype = torch.float32):
 
 
 def save_lm(out_dir: str, seed: int = 0) -> str:
+    """Save :func:`make_lm`'s model and tokenizer as an HF folder; returns ``out_dir``."""
     model, tokenizer = make_lm(seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -70,3 +73,41 @@ def encode_batch(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tenso
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
     return ids, torch.tensor([len(r) for r in rows])
+
+
+def load_lm(model_dir: str):
+    """Return ``(model, tokenizer)`` from an HF folder: the causal LM in fp32, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def copy_into(model, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy refit tensors ``named`` (``(name, tensor)`` in ``model.parameters()`` order, e.g.
+    perturbed ``hf_refit_named_tensors(model)``) into ``model``, so it matches what was sent."""
+    with torch.no_grad():
+        for (_, new), p in zip(named, model.parameters()):
+            p.copy_(new)
+
+
+def teacher_forced_logprobs(model, out: dict, temperature: float) -> torch.Tensor:
+    """What ``out["logprobs"]`` should be: one forward over ``out["output_ids"]`` ``[B, L]``.
+
+    Every generated token's log-probability (nats) under ``log_softmax(logits / temperature)``
+    at its position, 0 on prompt and padding positions; shape and dtype of ``out["logprobs"]``.
+    Prompt length of row ``i`` = ``unpadded_sequence_lengths[i] - generation_lengths[i]``.
+    """
+    full = out["output_ids"]
+    mask = torch.zeros_like(full)
+    for i, n in enumerate(out["unpadded_sequence_lengths"].tolist()):
+        mask[i, :n] = 1
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=mask).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, full[:, 1:].unsqueeze(2)).squeeze(2)
+    expected = torch.zeros_like(out["logprobs"])
+    prompt_lens = out["unpadded_sequence_lengths"] - out["generation_lengths"]
+    for i in range(full.shape[0]):
+        n, g = int(prompt_lens[i]), int(out["generation_lengths"][i])
+        expected[i, n : n + g] = lp[i, n - 1 : n + g - 1]
+    return expected

@@ -18,6 +18,8 @@ from nrl_tasks.models.generation.hf_sampling import generate_batch
 from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
 
+from ._tiny_lm import copy_into, encode_batch, load_lm
+
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["What is 3 + 4?", "Hello!", "The answer is", "One, two, three", "7 * 8 =", "Yes"]
@@ -26,21 +28,13 @@ BUFFER = 16 * 1024  # small packed buffers: the tiny model travels in several br
 
 @pytest.fixture(scope="module")
 def local_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+    return load_lm(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def batch(local_model):
-    tok = local_model[1]
-    rows = [tok.encode(p) for p in PROMPTS]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows]), "seeds": torch.arange(len(rows)) * 7 + 1}
+    ids, lengths = encode_batch(local_model[1], PROMPTS)
+    return {"input_ids": ids, "input_lengths": lengths, "seeds": torch.arange(len(PROMPTS)) * 7 + 1}
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +206,7 @@ def test_failed_refit_stays_stale_then_retry_succeeds(gen, local_model, batch, c
     from nrl_tasks.utils.refit import weights_checksum
 
     assert gen.weights_checksum() == weights_checksum(named)
-    with torch.no_grad():
-        for (_, new), p in zip(named, model.parameters()):
-            p.copy_(new)  # the local copy now matches what was broadcast
+    copy_into(model, named)  # the local copy now matches what was broadcast
     out = gen.generate(batch, greedy=True, weights_version=1)
     ref = _local(model, tok, batch, cfg, True)
     assert torch.equal(out["output_ids"], ref["output_ids"])

@@ -7,7 +7,7 @@ import torch
 
 from nrl_tasks.models.generation.hf_sampling import filter_top_k_top_p, generate_batch
 
-from ._tiny_lm import encode_batch, make_lm
+from ._tiny_lm import encode_batch, make_lm, teacher_forced_logprobs
 
 PROMPTS = ["the quick", "12 + 7 =", "hello world, hello", "a"]
 
@@ -90,17 +90,8 @@ def test_logprobs_equal_teacher_forced_forward(lm, batch, greedy):
         model, tok, ids, lengths, max_new_tokens=10, temperature=temperature, top_k=40, top_p=0.9,
         seeds=torch.tensor([1, 2, 3, 4]), greedy=greedy,
     )
-    full = out["output_ids"]
-    mask = torch.zeros_like(full)
-    for i, n in enumerate(out["unpadded_sequence_lengths"].tolist()):
-        mask[i, :n] = 1
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=mask).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, full[:, 1:].unsqueeze(2)).squeeze(2)
-    expected = torch.zeros_like(out["logprobs"])
-    for i in range(len(PROMPTS)):
-        n, g = int(lengths[i]), int(out["generation_lengths"][i])
-        expected[i, n : n + g] = lp[i, n - 1 : n + g - 1]
+    assert torch.equal(out["unpadded_sequence_lengths"] - out["generation_lengths"], lengths)
+    expected = teacher_forced_logprobs(model, out, temperature)
     torch.testing.assert_close(out["logprobs"], expected, atol=1e-4, rtol=1e-4)
 
 

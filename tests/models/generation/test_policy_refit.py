@@ -15,6 +15,8 @@ import torch
 from nrl_tasks.models.generation.hf_generation import HfGeneration
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
 
+from ._tiny_lm import encode_batch
+
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = ["What is 3 + 4?", "Hello!", "The answer is", "One, two, three"]
@@ -51,13 +53,8 @@ def policy_and_gen(ray_session, tiny_model_dir):
 def _prompts(tokenizer):
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
-    rows = [tokenizer.encode(p) for p in PROMPTS]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows]),
-                            "seeds": torch.arange(len(rows)) + 11})
+    ids, lengths = encode_batch(tokenizer, PROMPTS)
+    return BatchedDataDict({"input_ids": ids, "input_lengths": lengths, "seeds": torch.arange(len(PROMPTS)) + 11})
 
 
 def _train_batch(out):

@@ -22,7 +22,7 @@ from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors  # noqa
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError  # noqa: E402
 from nrl_tasks.models.generation.vllm_generation import VllmGeneration  # noqa: E402
 
-from ._tiny_lm import encode_batch, save_lm  # noqa: E402
+from ._tiny_lm import copy_into, encode_batch, load_lm, save_lm, teacher_forced_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,10 +39,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def local(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    return load_lm(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +64,6 @@ def gen(ray_session, model_dir):
     cluster.shutdown()
 
 
-def _teacher_forced(model, out, temperature: float) -> torch.Tensor:
-    """Logprob of every generated token under ``model`` with ``logits / temperature``, 0 elsewhere."""
-    full = out["output_ids"]
-    mask = torch.zeros_like(full)
-    for i, n in enumerate(out["unpadded_sequence_lengths"].tolist()):
-        mask[i, :n] = 1
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=mask).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, full[:, 1:].unsqueeze(2)).squeeze(2)
-    expected = torch.zeros_like(out["logprobs"])
-    prompt_lens = out["unpadded_sequence_lengths"] - out["generation_lengths"]
-    for i in range(full.shape[0]):
-        n, g = int(prompt_lens[i]), int(out["generation_lengths"][i])
-        expected[i, n : n + g] = lp[i, n - 1 : n + g - 1]
-    return expected
-
-
 def _check_format(out, batch, pad_id):
     ids, lengths = batch["input_ids"], batch["input_lengths"]
     gl = out["generation_lengths"]
@@ -104,7 +84,7 @@ def test_greedy_matches_hf_decode_loop(gen, local, batch):
     assert torch.equal(out["output_ids"], ref["output_ids"])
     assert torch.equal(out["truncated"], ref["truncated"])
     # vLLM's greedy path reports log_softmax(logits) (temperature 1)
-    torch.testing.assert_close(out["logprobs"], _teacher_forced(model, out, 1.0), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(out["logprobs"], teacher_forced_logprobs(model, out, 1.0), atol=2e-4, rtol=1e-4)
 
 
 def test_sampling_seeds_and_logprobs(gen, local, batch):
@@ -116,7 +96,7 @@ def test_sampling_seeds_and_logprobs(gen, local, batch):
     other = dict(batch, seeds=batch["seeds"] + 1000)
     assert not torch.equal(gen.generate(other)["output_ids"], a["output_ids"])
     # processed logprobs = log_softmax(logits / T) (no top-k/top-p here): same as the hf backend
-    torch.testing.assert_close(a["logprobs"], _teacher_forced(model, a, TEMPERATURE), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(a["logprobs"], teacher_forced_logprobs(model, a, TEMPERATURE), atol=2e-4, rtol=1e-4)
 
 
 def test_stop_strings_and_version_check(gen, local, batch):
@@ -175,14 +155,12 @@ def test_refit_through_vllm(gen, local, batch):
     assert gen.weights_version == 1
     assert gen.weights_checksum() == weights_checksum(named)
 
-    with torch.no_grad():
-        for (_, new), p in zip(named, model.parameters()):
-            p.copy_(new)
+    copy_into(model, named)
     after = gen.generate(batch, greedy=True, weights_version=1)
     ref = generate_batch(model, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
     assert not torch.equal(after["output_ids"], before["output_ids"])
     assert torch.equal(after["output_ids"], ref["output_ids"])
-    torch.testing.assert_close(after["logprobs"], _teacher_forced(model, after, 1.0), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(after["logprobs"], teacher_forced_logprobs(model, after, 1.0), atol=2e-4, rtol=1e-4)
     with pytest.raises(StaleWeightsError):
         gen.generate(batch, greedy=True, weights_version=0)
     gen.teardown_collective()
@@ -229,9 +207,7 @@ def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
     refit(version + 1, None, 60.0)
     assert gen.weights_version == version + 1
     assert gen.weights_checksum() == weights_checksum(named)
-    with torch.no_grad():
-        for (_, new), p in zip(named, model.parameters()):
-            p.copy_(new)
+    copy_into(model, named)
     out = gen.generate(batch, greedy=True, weights_version=version + 1)
     ref = generate_batch(model, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
     assert torch.equal(out["output_ids"], ref["output_ids"])
