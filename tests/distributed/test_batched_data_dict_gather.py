@@ -65,22 +65,15 @@ def gathered(tmp_path_factory) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = str(tmp_path_factory.mktemp("gloo") / "store")
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the spawned ranks inherit these; restored after
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setenv("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
         procs = [ctx.Process(target=_worker, args=(r, store, results)) for r in range(WORLD)]
         for p in procs:
             p.start()
         out = dict(results.get(timeout=120) for _ in range(WORLD))
         for p in procs:
             p.join(timeout=30)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for rank, res in out.items():
         assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
     return out
