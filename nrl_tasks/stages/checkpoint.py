@@ -8,8 +8,12 @@ A checkpoint ``<run>/checkpoints/step_000008/`` holds the state after the ``trai
     checkpoint.json step, weights_version, config_hash, data cursor - written LAST (the commit)
 
 Locally the files are written into a ``.tmp-*`` sibling that is renamed into place after
-``checkpoint.json``; on S3 they are written locally, uploaded, and ``checkpoint.json`` is
-uploaded last. A checkpoint without ``checkpoint.json`` does not exist for readers.
+``checkpoint.json``. On S3 the policy workers move the bytes themselves (no filesystem shared
+with this process): rank 0 writes ``weights/`` and ``optimizer/`` into a temp dir on its node
+and uploads them, a restore has every worker download them to a temp dir on its own node; this
+process then uploads ``checkpoint.json`` last. A checkpoint without ``checkpoint.json`` does not
+exist for readers. The S3 credentials travel to the workers as call arguments (the options
+resolved here from ``storage.storage_options`` and the AWS environment), never logged.
 """
 
 from __future__ import annotations
@@ -93,6 +97,32 @@ def latest_checkpoint(checkpoints_uri: str, max_step: int | None = None, storage
     return cands[-1] if cands else None
 
 
+def _worker_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The s3fs options the policy workers use: the run's options plus endpoint and credentials
+    from this process's AWS environment (:func:`storage.fs.s3_options`). Never log them."""
+    return _fs().s3_options(storage_options)
+
+
+def _save_to_s3(
+    policy: Any, uri: str, body: str, *, save_optimizer: bool, storage_options: dict[str, Any] | None,
+    step_for_faults: int | None,
+) -> None:
+    fs = _fs()
+    commit = f"{uri.rstrip('/')}/{COMMIT_FILE}"
+    if fs.exists(uri, storage_options=storage_options):  # an old or half-written checkpoint here
+        fs.remove(commit, storage_options=storage_options)  # uncommit first, then clear
+        fs.remove(uri, recursive=True, storage_options=storage_options)
+    policy.save_checkpoint(
+        weights_path=f"{uri.rstrip('/')}/weights",
+        optimizer_path=f"{uri.rstrip('/')}/optimizer" if save_optimizer else None,
+        tokenizer_path=f"{uri.rstrip('/')}/weights",  # weights/ is a complete HF folder
+        storage_options=_worker_storage_options(storage_options),
+    )
+    if step_for_faults is not None:
+        fault_point("checkpoint", step_for_faults, "during")
+    fs.write_text_atomic(commit, body, storage_options=storage_options)
+
+
 def save_checkpoint(
     policy: Any,
     uri: str,
@@ -103,16 +133,19 @@ def save_checkpoint(
     step_for_faults: int | None = None,
 ) -> dict[str, Any]:
     """Write a committed checkpoint of ``policy`` at ``uri`` (see module docstring)."""
-    fs = _fs()
     t0 = time.perf_counter()
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     if _is_s3(uri):
-        staging = tempfile.mkdtemp(prefix=f"nrl-ckpt-{name}-")
-    else:
-        target = os.path.abspath(_local(uri))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        staging = os.path.join(os.path.dirname(target), f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(staging)
+        body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
+        _save_to_s3(
+            policy, uri, body, save_optimizer=save_optimizer, storage_options=storage_options,
+            step_for_faults=step_for_faults,
+        )
+        return {"uri": uri, "seconds": time.perf_counter() - t0, **info}
+    target = os.path.abspath(_local(uri))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = os.path.join(os.path.dirname(target), f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(staging)
     try:
         policy.save_checkpoint(
             weights_path=os.path.join(staging, "weights"),
@@ -122,18 +155,14 @@ def save_checkpoint(
         if step_for_faults is not None:
             fault_point("checkpoint", step_for_faults, "during")
         body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
-        if _is_s3(uri):
-            fs.upload_dir(staging, uri, storage_options=storage_options)
-            fs.write_text_atomic(f"{uri.rstrip('/')}/{COMMIT_FILE}", body, storage_options=storage_options)
-        else:
-            with open(os.path.join(staging, COMMIT_FILE), "w", encoding="utf-8") as fh:
-                fh.write(body)
-                fh.flush()
-                os.fsync(fh.fileno())
-            if os.path.exists(target):  # an uncommitted leftover (no checkpoint.json)
-                shutil.rmtree(target)
-            os.rename(staging, target)
-            staging = ""
+        with open(os.path.join(staging, COMMIT_FILE), "w", encoding="utf-8") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(target):  # an uncommitted leftover (no checkpoint.json)
+            shutil.rmtree(target)
+        os.rename(staging, target)
+        staging = ""
     finally:
         if staging and os.path.isdir(staging):
             shutil.rmtree(staging, ignore_errors=True)
@@ -141,7 +170,8 @@ def save_checkpoint(
 
 
 def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[str, bool]:
-    """A local directory with the checkpoint's files: ``(path, is_temporary_copy)``."""
+    """A local directory with the checkpoint's files: ``(path, is_temporary_copy)`` (an S3
+    checkpoint is downloaded into this process's temp dir; used by ``evaluate``)."""
     if _is_s3(uri):
         tmp = tempfile.mkdtemp(prefix="nrl-ckpt-dl-")
         _fs().download_dir(uri, tmp, storage_options=storage_options)
@@ -150,8 +180,18 @@ def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None
 
 
 def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy."""
+    """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy
+    (from S3: every worker downloads it on its own node; nothing is staged in this process)."""
     info = read_checkpoint_info(uri, storage_options)
+    if _is_s3(uri):
+        base = uri.rstrip("/")
+        has_opt = bool(_fs().walk_files(f"{base}/optimizer", storage_options))
+        policy.load_checkpoint(
+            f"{base}/weights", f"{base}/optimizer" if has_opt else None,
+            storage_options=_worker_storage_options(storage_options),
+        )
+        policy.set_weights_version(int(info["weights_version"]))
+        return info
     path, temporary = local_checkpoint_dir(uri, storage_options)
     try:
         opt = os.path.join(path, "optimizer")

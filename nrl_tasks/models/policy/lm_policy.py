@@ -35,6 +35,7 @@ from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.workers import sharding
 from nrl_tasks.models.policy.workers.placement import bundle_indices, worker_class, worker_env
+from nrl_tasks.models.policy.workers.remote_checkpoint import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -535,11 +536,22 @@ class Policy:
         optimizer_path: Optional[str] = None,
         tokenizer_path: Optional[str] = None,
         checkpointing_cfg: Any = None,
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         """Write an HF-loadable safetensors folder (``weights_path``), optimizer + scheduler +
         per-rank RNG states as safetensors + JSON (``optimizer_path``) and the tokenizer
-        (``tokenizer_path``, may equal ``weights_path``). Each dir is written to a temp dir and
-        renamed. Local paths on rank 0's node (use a shared filesystem across nodes)."""
+        (``tokenizer_path``, may equal ``weights_path``). Rank 0 writes them.
+
+        Each path is a local directory *on rank 0's node* (written to a temp dir and renamed;
+        across nodes use a shared filesystem) or an ``s3://bucket/prefix`` URI: then rank 0
+        writes the dirs into a temp dir on its own node and uploads them itself
+        (``storage.fs.upload_dir``), so nothing passes through this process and no filesystem
+        is shared. An S3 prefix is not committed atomically: write a marker object after this
+        returns if readers need one (the ``checkpoint`` stage writes ``checkpoint.json``).
+        ``storage_options``: s3fs options, credentials included, sent to the workers as call
+        arguments and never logged (``None``: the workers' AWS environment).
+        ``checkpointing_cfg`` is accepted for NeMo-RL compatibility and ignored."""
         if not weights_path and not optimizer_path and not tokenizer_path:
             raise ValueError("save_checkpoint needs at least one of weights_path, optimizer_path, tokenizer_path")
         rng_states = self._all("get_rng_state") if optimizer_path else []
@@ -551,6 +563,7 @@ class Policy:
                 os.fspath(optimizer_path) if optimizer_path else None,
                 os.fspath(tokenizer_path) if tokenizer_path else None,
                 rng_states,
+                storage_options=storage_options,
             )
         )
 
@@ -558,19 +571,30 @@ class Policy:
         """No-op: ``save_checkpoint`` is synchronous (its dirs are complete when it returns)."""
         return None
 
-    def load_checkpoint(self, weights_path: Optional[str], optimizer_path: Optional[str] = None) -> None:
+    def load_checkpoint(
+        self,
+        weights_path: Optional[str],
+        optimizer_path: Optional[str] = None,
+        *,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
         """Restore weights (and, with ``optimizer_path``, optimizer, scheduler, RNG states and
-        weights version) into the live workers, bit-exactly. The reference weights are kept."""
+        weights version) into the live workers, bit-exactly. The reference weights are kept.
+
+        Paths are local directories readable by every worker, or ``s3://`` URIs: then every
+        worker downloads them into a temp dir on its own node, loads and deletes it.
+        ``storage_options`` as for :meth:`save_checkpoint`."""
         if weights_path is None and optimizer_path is None:
             raise ValueError("load_checkpoint needs weights_path and/or optimizer_path")
         for label, path in (("weights_path", weights_path), ("optimizer_path", optimizer_path)):
-            if path is not None and not os.path.isdir(os.fspath(path)):
+            if path is not None and not is_remote(os.fspath(path)) and not os.path.isdir(os.fspath(path)):
                 raise ValueError(f"{label} {os.fspath(path)!r} is not a directory")
         statuses = self._get(
             self.worker_group.run_all_workers_single_data(
                 "load_checkpoint",
                 os.fspath(weights_path) if weights_path else None,
                 os.fspath(optimizer_path) if optimizer_path else None,
+                storage_options=storage_options,
             )
         )
         self._weights_version = int(statuses[0]["weights_version"])

@@ -1,5 +1,6 @@
 """Checkpoint methods of a policy worker (mixed into ``PolicyWorker``); file formats in
-:mod:`nrl_tasks.models.policy.workers.checkpointing`."""
+:mod:`nrl_tasks.models.policy.workers.checkpointing`; ``s3://`` paths are staged on the
+worker's node (:mod:`nrl_tasks.models.policy.workers.remote_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
+from nrl_tasks.models.policy.workers.remote_checkpoint import local_copies, staged_uploads
 from nrl_tasks.models.policy.workers.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["CheckpointMixin"]
@@ -30,12 +32,26 @@ class CheckpointMixin:
         optimizer_path: str | None,
         tokenizer_path: str | None,
         rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+        storage_options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs."""
+        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs;
+        ``s3://`` paths are written to a temp dir on this node and uploaded from here."""
         self._require_ready()
         if self.rank != 0:
             return {}
-        written: dict[str, Any] = {}
+        paths = (weights_path, optimizer_path, tokenizer_path)
+        with staged_uploads(paths, storage_options) as (w, o, t):
+            self._write_checkpoint_dirs(w, o, t, rng_states)
+        return {k: v for k, v in zip(("weights_path", "optimizer_path", "tokenizer_path"), paths) if v}
+
+    def _write_checkpoint_dirs(
+        self,
+        weights_path: str | None,
+        optimizer_path: str | None,
+        tokenizer_path: str | None,
+        rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+    ) -> None:
+        """Write the local checkpoint dirs (each atomically: temp dir + rename)."""
         if weights_path:
             def write_weights(tmp: str) -> None:
                 self.model.save_pretrained(tmp)
@@ -43,7 +59,6 @@ class CheckpointMixin:
                     self.tokenizer.save_pretrained(tmp)
 
             ckpt.write_dir_atomically(weights_path, write_weights)
-            written["weights_path"] = weights_path
         if optimizer_path:
             if self.optimizer is None:
                 raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
@@ -55,21 +70,23 @@ class CheckpointMixin:
                     ckpt.write_rng_files(tmp, rank, tensors, json_state)
 
             ckpt.write_dir_atomically(optimizer_path, write_optimizer)
-            written["optimizer_path"] = optimizer_path
         if tokenizer_path and not (weights_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path)):
             if self.tokenizer is None:
                 raise ValueError("tokenizer_path given but the policy workers hold no tokenizer")
             ckpt.write_dir_atomically(tokenizer_path, self.tokenizer.save_pretrained)
-            written["tokenizer_path"] = tokenizer_path
-        return written
 
-    def load_checkpoint(self, weights_path: str | None, optimizer_path: str | None = None) -> dict[str, Any]:
-        """Restore weights and, with ``optimizer_path``, optimizer, scheduler, RNG and version."""
+    def load_checkpoint(
+        self, weights_path: str | None, optimizer_path: str | None = None, storage_options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Restore weights and, with ``optimizer_path``, optimizer, scheduler, RNG and version;
+        ``s3://`` paths are downloaded to a temp dir on this node first (deleted after)."""
         self._require_ready()
-        if weights_path:
-            ckpt.load_hf_weights_into(self.model, weights_path)
-        if optimizer_path:
-            self._load_optimizer_and_rng(optimizer_path)
+        named = [("weights_path", weights_path), ("optimizer_path", optimizer_path)]
+        with local_copies(named, storage_options) as (w, o):
+            if w:
+                ckpt.load_hf_weights_into(self.model, w)
+            if o:
+                self._load_optimizer_and_rng(o)
         return self.status()
 
     def _load_optimizer_and_rng(self, path: str) -> None:
