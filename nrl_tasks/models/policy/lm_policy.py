@@ -16,6 +16,12 @@ their driver anyway.
 Actors found half alive (some dead, or set up with a different world size) are killed and
 re-created: their state is lost and must be restored from a checkpoint (``load_checkpoint``).
 
+Methods by concern: this module holds construction/attach, dispatch, sharding, inference,
+training and shutdown; the refit producer side is in
+:mod:`~nrl_tasks.models.policy.lm_policy_refit`, checkpoints in
+:mod:`~nrl_tasks.models.policy.lm_policy_checkpoint`, device lifecycle/profiling in
+:mod:`~nrl_tasks.models.policy.lm_policy_lifecycle` (mixins of ``Policy``).
+
 Not supported (Megatron/SGLang/CUDA-IPC only in NeMo-RL): ``calibrate_qkv_fp8_scales``,
 ``init_collective_mcore_generation``, ``preinit_nvshmem``, ``swap_weights_via_reshard``,
 ``nccl_reshard_*``, ``stream_weights_via_http``, ``stream_weights_via_ipc_zmq``,
@@ -33,9 +39,11 @@ from typing import Any, Iterable, Optional, Union
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.lm_policy_checkpoint import PolicyCheckpointMethods
+from nrl_tasks.models.policy.lm_policy_lifecycle import PolicyLifecycleMethods
+from nrl_tasks.models.policy.lm_policy_refit import PolicyRefitMethods
 from nrl_tasks.models.policy.workers import sharding
 from nrl_tasks.models.policy.workers.placement import bundle_indices, worker_class, worker_env
-from nrl_tasks.models.policy.workers.remote_checkpoint import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ def _timed(timer: Any, label: str):
     return contextlib.nullcontext()
 
 
-class Policy:
+class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods):
     """Data-parallel HF policy on persistent Ray actors (see the module docstring).
 
     Args (seed signature, plus keyword-only extensions):
@@ -291,6 +299,10 @@ class Policy:
         """Call ``method_name(*args, **kwargs)`` on every worker; returns their results."""
         return self._get(self.worker_group.run_all_workers_single_data(method_name, *args, **kwargs))
 
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every worker; their results (raises as soon as one failed)."""
+        return self._get(self.worker_group.run_all_workers_single_data(method, *args))
+
     def run_all_workers_multiple_data(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Each positional/keyword argument is a list with one entry per worker; returns results."""
         return self._get(self.worker_group.run_all_workers_multiple_data(method_name, *args, **kwargs))
@@ -460,161 +472,7 @@ class Policy:
             "train_time_s": max(r["train_time_s"] for r in results),
         }
 
-    # ------------------------------------------------------------------ refit
-    def prepare_refit_info(self) -> Optional[dict[str, Any]]:
-        """``RefitInfo.to_dict()``: metadata, fingerprint, buffer size and weights version."""
-        return self._get(self.worker_group.run_single_worker(0, "prepare_refit_info"))
-
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        """Policy rank 0 joins the refit broadcast group as its rank 0; returns ObjectRefs (one
-        per rank: True for rank 0, False for the others). ``train_world_size`` is accepted for
-        NeMo-RL compatibility; only rank 0 joins whatever the data-parallel size."""
-        return self.worker_group.run_all_workers_single_data(
-            "init_collective", ip, port, world_size, train_world_size=train_world_size
-        )
-
-    def broadcast_weights_for_collective(self, kv_scales: Optional[dict[str, float]] = None) -> list[Any]:
-        """Rank 0 sends the weights with the packed producer; returns ObjectRefs."""
-        return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", kv_scales)
-
-    def weights_checksum(self, as_sent: bool = True) -> str:
-        """Checksum of the refit tensors (``as_sent``: cast to the refit dtype) of rank 0."""
-        return self._get(self.worker_group.run_single_worker(0, "weights_checksum", as_sent))
-
-    # ------------------------------------------------------------------ lifecycle
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self._get(self.worker_group.run_all_workers_single_data(method, *args))
-
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """GPU: weights back on the device; CPU: eval mode."""
-        return all(self._all("prepare_for_generation"))
-
-    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """No generation state persists between calls (returns True)."""
-        return all(self._all("finish_generation"))
-
-    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        """GPU: weights and optimizer state back on the device; CPU: train mode."""
-        self._all("prepare_for_training")
-
-    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
-        """GPU: weights on the device; CPU: eval mode."""
-        self._all("prepare_for_lp_inference")
-
-    def invalidate_kv_cache(self, *args: Any, **kwargs: Any) -> bool:
-        """No persistent KV cache exists here (True)."""
-        return all(self._all("invalidate_kv_cache"))
-
-    def finish_inference(self) -> None:
-        """GPU: offload weights to CPU; CPU: nothing to do."""
-        self._all("finish_inference")
-
-    def finish_training(self, *args: Any, **kwargs: Any) -> None:
-        """Free gradients (GPU: also empty the CUDA cache)."""
-        self._all("finish_training")
-
-    def offload_before_refit(self) -> None:
-        """GPU: optimizer state to CPU; CPU: free gradients."""
-        self._all("offload_before_refit")
-
-    def offload_after_refit(self) -> None:
-        """GPU: weights and optimizer state to CPU; CPU: nothing to move."""
-        self._all("offload_after_refit")
-
-    def offload_to_cpu(self) -> None:
-        """GPU: everything to CPU; CPU: nothing to move."""
-        self._all("offload_to_cpu")
-
-    def get_free_memory_bytes(self) -> int:
-        """Smallest free memory over the workers (GPU memory, or system RAM on CPU)."""
-        return int(min(self._all("get_free_memory_bytes")))
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(
-        self,
-        weights_path: str,
-        optimizer_path: Optional[str] = None,
-        tokenizer_path: Optional[str] = None,
-        checkpointing_cfg: Any = None,
-        *,
-        storage_options: Optional[dict[str, Any]] = None,
-    ) -> None:
-        """Write an HF-loadable safetensors folder (``weights_path``), optimizer + scheduler +
-        per-rank RNG states as safetensors + JSON (``optimizer_path``) and the tokenizer
-        (``tokenizer_path``, may equal ``weights_path``). Rank 0 writes them.
-
-        Each path is a local directory *on rank 0's node* (written to a temp dir and renamed;
-        across nodes use a shared filesystem) or an ``s3://bucket/prefix`` URI: then rank 0
-        writes the dirs into a temp dir on its own node and uploads them itself
-        (``storage.fs.upload_dir``), so nothing passes through this process and no filesystem
-        is shared. An S3 prefix is not committed atomically: write a marker object after this
-        returns if readers need one (the ``checkpoint`` stage writes ``checkpoint.json``).
-        ``storage_options``: s3fs options, credentials included, sent to the workers as call
-        arguments and never logged (``None``: the workers' AWS environment).
-        ``checkpointing_cfg`` is accepted for NeMo-RL compatibility and ignored."""
-        if not weights_path and not optimizer_path and not tokenizer_path:
-            raise ValueError("save_checkpoint needs at least one of weights_path, optimizer_path, tokenizer_path")
-        rng_states = self._all("get_rng_state") if optimizer_path else []
-        self._get(
-            self.worker_group.run_single_worker(
-                0,
-                "save_checkpoint",
-                os.fspath(weights_path) if weights_path else None,
-                os.fspath(optimizer_path) if optimizer_path else None,
-                os.fspath(tokenizer_path) if tokenizer_path else None,
-                rng_states,
-                storage_options=storage_options,
-            )
-        )
-
-    def finalize_async_save(self) -> None:
-        """No-op: ``save_checkpoint`` is synchronous (its dirs are complete when it returns)."""
-        return None
-
-    def load_checkpoint(
-        self,
-        weights_path: Optional[str],
-        optimizer_path: Optional[str] = None,
-        *,
-        storage_options: Optional[dict[str, Any]] = None,
-    ) -> None:
-        """Restore weights (and, with ``optimizer_path``, optimizer, scheduler, RNG states and
-        weights version) into the live workers, bit-exactly. The reference weights are kept.
-
-        Paths are local directories readable by every worker, or ``s3://`` URIs: then every
-        worker downloads them into a temp dir on its own node, loads and deletes it.
-        ``storage_options`` as for :meth:`save_checkpoint`."""
-        if weights_path is None and optimizer_path is None:
-            raise ValueError("load_checkpoint needs weights_path and/or optimizer_path")
-        for label, path in (("weights_path", weights_path), ("optimizer_path", optimizer_path)):
-            if path is not None and not is_remote(os.fspath(path)) and not os.path.isdir(os.fspath(path)):
-                raise ValueError(f"{label} {os.fspath(path)!r} is not a directory")
-        statuses = self._get(
-            self.worker_group.run_all_workers_single_data(
-                "load_checkpoint",
-                os.fspath(weights_path) if weights_path else None,
-                os.fspath(optimizer_path) if optimizer_path else None,
-                storage_options=storage_options,
-            )
-        )
-        self._weights_version = int(statuses[0]["weights_version"])
-
-    # ------------------------------------------------------------------ misc
-    def start_gpu_profiling(self) -> None:
-        """Start ``torch.profiler`` in every worker (CPU activities, plus CUDA on GPUs)."""
-        self._all("start_gpu_profiling")
-
-    def stop_gpu_profiling(self) -> list[str]:
-        """Stop profiling; each worker writes a Chrome trace. Returns the trace paths."""
-        return [p for p in self._all("stop_gpu_profiling") if p]
-
-    def print_node_ip_and_gpu_id(self) -> list[tuple[str, int]]:
-        """Print and return ``(node ip, GPU id)`` per worker (GPU id -1 on CPU)."""
-        out = [tuple(x) for x in self._all("node_ip_and_gpu_id")]
-        for rank, (ip, gpu) in enumerate(out):
-            print(f"policy worker {rank}: node {ip}, gpu {gpu}")
-        return out
-
+    # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> bool:
         """Kill the worker actors (from any process holding a handle). Idempotent.
 
