@@ -141,6 +141,58 @@ def test_checkpoint_commit_protocol(tmp_path):
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-step_000002")]
 
 
+def test_s3_checkpoint_commit_protocol(moto_s3, monkeypatch):
+    """On S3 the policy uploads its dirs itself (here a far-side stand-in that writes objects like
+    the workers do) with the options this process resolved, credentials from the AWS environment
+    included; ``checkpoint.json`` comes last, a failed save commits nothing, and a save over an
+    old prefix uncommits and clears it first."""
+    import storage.fs as sfs
+    from nrl_tasks.stages.checkpoint import is_checkpoint_committed, list_checkpoints, restore_checkpoint, save_checkpoint
+
+    run_opts = {"endpoint_url": moto_s3.endpoint_url}  # what a run config holds: no credentials
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto_s3.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto_s3.secret)
+    root = f"{moto_s3.make_bucket()}/checkpoints"
+    calls = []
+
+    class FakeS3Policy:
+        fail = False
+
+        def save_checkpoint(self, weights_path, optimizer_path=None, tokenizer_path=None, *, storage_options=None):
+            calls.append(("save", weights_path, optimizer_path, tokenizer_path, storage_options))
+            assert not is_checkpoint_committed(weights_path.rsplit("/", 1)[0], run_opts)  # commit comes after
+            sfs.write_bytes_atomic(f"{weights_path}/model.safetensors", b"w", storage_options=storage_options)
+            if self.fail:
+                raise RuntimeError("worker died mid-upload")
+            sfs.write_bytes_atomic(f"{optimizer_path}/optimizer.json", b"{}", storage_options=storage_options)
+
+        def load_checkpoint(self, weights_path, optimizer_path=None, *, storage_options=None):
+            calls.append(("load", weights_path, optimizer_path, storage_options))
+
+        def set_weights_version(self, v):
+            calls.append(("version", v))
+
+    uri = f"{root}/step_000002"
+    sfs.write_bytes_atomic(f"{uri}/weights/stale.bin", b"old", storage_options=run_opts)  # uncommitted leftover
+    save_checkpoint(FakeS3Policy(), uri, {"step": 2, "weights_version": 2}, storage_options=run_opts)
+    _, w, o, t, opts = calls[0]
+    assert (w, o, t) == (f"{uri}/weights", f"{uri}/optimizer", f"{uri}/weights")
+    assert opts["key"] == moto_s3.key and opts["secret"] == moto_s3.secret  # resolved here, sent to the workers
+    assert sorted(sfs.walk_files(uri, run_opts)) == ["checkpoint.json", "optimizer/optimizer.json", "weights/model.safetensors"]
+    assert list_checkpoints(root, run_opts) == [(2, uri)]
+
+    info = restore_checkpoint(FakeS3Policy(), uri, run_opts)
+    assert info["step"] == 2 and calls[1][:3] == ("load", f"{uri}/weights", f"{uri}/optimizer")
+    assert calls[1][3]["secret"] == moto_s3.secret and calls[2] == ("version", 2)
+
+    bad = FakeS3Policy()
+    bad.fail = True
+    with pytest.raises(RuntimeError, match="mid-upload"):
+        save_checkpoint(bad, uri, {"step": 2, "weights_version": 2}, storage_options=run_opts)  # over the committed one
+    assert list_checkpoints(root, run_opts) == []  # uncommitted before anything was rewritten
+    assert sfs.walk_files(uri, run_opts) == ["weights/model.safetensors"]
+
+
 def test_metrics_upsert_one_line_per_step(tmp_path):
     from flows.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
 
