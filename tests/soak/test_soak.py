@@ -60,17 +60,25 @@ def _slope(ys: list[float]) -> float:
     return sum((x - xm) * (y - ym) for x, y in enumerate(ys)) / den
 
 
-def _roles(driver: psutil.Process) -> dict[str, psutil.Process]:
+def _roles(driver: psutil.Process, known: dict[int, str]) -> dict[str, psutil.Process]:
+    """Driver and actor processes by role. An actor is recognised by its process title once
+    (``known`` remembers it by pid): Ray rewrites titles per call, and a read racing a rewrite
+    must not drop a sample of a process that is still the same actor."""
     out: dict[str, psutil.Process] = {"driver": driver}
     for p in driver.children(recursive=True):
-        try:
-            title = p.cmdline()[0] if p.cmdline() else ""
-        except psutil.Error:
-            continue
-        if title.startswith("ray::PolicyWorker"):
-            out[f"policy:{p.pid}"] = p
-        elif title.startswith("ray::HfGenerationWorker"):
-            out[f"generation:{p.pid}"] = p
+        role = known.get(p.pid)
+        if role is None:
+            try:
+                title = p.cmdline()[0] if p.cmdline() else ""
+            except psutil.Error:
+                continue
+            if title.startswith("ray::PolicyWorker"):
+                role = known[p.pid] = f"policy:{p.pid}"
+            elif title.startswith("ray::HfGenerationWorker"):
+                role = known[p.pid] = f"generation:{p.pid}"
+            else:
+                continue
+        out[role] = p
     return out
 
 
@@ -105,6 +113,7 @@ def test_soak_50_steps(tmp_path, tiny_model_dir):
     env = clean_env(str(tmp_path), RAY_AUTH_MODE="disabled", PREFECT_LOGGING_LEVEL="WARNING")
     log_path = str(tmp_path / "driver.log")
     samples: list[dict] = []
+    known: dict[int, str] = {}  # actor pid -> role
     spawned: set[psutil.Process] = set()
     step_bytes: dict[int, int] = {}
     ck_bytes: dict[str, int] = {}
@@ -133,7 +142,7 @@ def test_soak_50_steps(tmp_path, tiny_model_dir):
                 spawned.update(driver.children(recursive=True))
             except psutil.Error:
                 pass
-            for role, p in _roles(driver).items():
+            for role, p in _roles(driver, known).items():
                 try:
                     rss[role] = p.memory_info().rss / MB
                 except psutil.Error:
