@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,21 @@ def assert_same_rollouts(root_a: str, run_a: str, root_b: str, run_b: str, step:
     for key in ROLLOUT_TENSORS:
         assert torch.equal(a[key], b[key]), (step, key)
     assert list(a["response"]) == list(b["response"]), step
+
+
+@contextlib.contextmanager
+def env_vars(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` in this process for the block (fault hooks read it), then restore it."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def read_fault_log(path: str) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ import torch
 from tests.faults.helpers import (
     assert_same_rollouts,
     checkpoint_bytes,
+    env_vars,
     fired,
     read_fault_log,
     task_runs,
@@ -52,16 +53,10 @@ def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_
         tiny_model_dir, root, ray_session, **{"grpo.refit.timeout_s": 6.0, "generation.refit_timeout_s": 6.0}
     )
     env = {faults.ACTOR_ENV_VAR: FAULTS, faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "1", "NRL_PROBE_TIMEOUT_S": "3"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        result = grpo(config=cfg, run_id=RUN_ID)
+        with env_vars(env):
+            result = grpo(config=cfg, run_id=RUN_ID)
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for e in read_fault_log(log):  # a frozen worker's process is ours to end
             if e.get("how") == "freeze":
                 try:
@@ -193,17 +188,10 @@ def test_stage_retries_zero_fails_the_stage_on_an_actor_fault(prefect_harness, r
         **{"grpo.max_num_steps": 1, "grpo.stage_retries": 0, "checkpointing.enabled": False},
     )
     env = {faults.ACTOR_ENV_VAR: "policy:train@1", faults.LOG_ENV_VAR: log, "NRL_KEEP_ACTORS": "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        with pytest.raises(BaseException) as ei:
+        with env_vars(env), pytest.raises(BaseException) as ei:
             grpo(config=cfg, run_id=run_id)
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         kill_run_actors(run_id)
     assert fired(read_fault_log(log), "policy", "train", 1)["fired"] is True
     assert is_actor_fault(ei.value), repr(ei.value)
