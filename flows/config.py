@@ -243,6 +243,14 @@ class StorageConfig(_Section):
         default_factory=dict, description="fsspec/s3fs options without credentials (endpoint_url, profile, ...)"
     )
     keep_last_k_steps: int | None = Field(None, ge=1, description="retention of step batches (None: all)")
+    fsync: bool = Field(
+        True,
+        description=(
+            "fsync each stage dataset (shards, manifest, directory) before it counts as committed; false keeps "
+            "datasets consistent across killed processes (the page cache survives them) but not across a power "
+            "loss or kernel crash (local storage only)"
+        ),
+    )
     retry: StorageRetryConfig = Field(default_factory=StorageRetryConfig, description="remote-storage backoff")
 
     @model_validator(mode="after")

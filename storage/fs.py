@@ -363,11 +363,15 @@ def write_bytes_atomic(
     uri: str | os.PathLike[str],
     data: bytes | bytearray | memoryview,
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    fsync: bool = True,
 ) -> None:
     """Write ``data`` to ``uri`` so that readers see the old content or all of the new.
 
     Parent directories are created. Local: temp file + fsync + ``os.replace`` + directory
-    fsync; a failed write leaves no temp file behind. S3: one PUT.
+    fsync; a failed write leaves no temp file behind. S3: one PUT. ``fsync=False`` skips the
+    two fsyncs: still atomic for other processes and across a killed process (the page cache
+    survives it), not durable across a power loss or kernel crash.
     """
     fs, path = resolve(uri, storage_options)
     if fs is _LOCAL:
@@ -377,8 +381,9 @@ def write_bytes_atomic(
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
-            commit_local(tmp, path)
+                if fsync:
+                    os.fsync(f.fileno())
+            commit_local(tmp, path, durable=fsync)
         except BaseException:
             _unlink_quiet(tmp)
             raise
@@ -392,9 +397,11 @@ def write_text_atomic(
     text: str,
     storage_options: Mapping[str, Any] | None = None,
     encoding: str = "utf-8",
+    *,
+    fsync: bool = True,
 ) -> None:
     """:func:`write_bytes_atomic` for text."""
-    write_bytes_atomic(uri, text.encode(encoding), storage_options)
+    write_bytes_atomic(uri, text.encode(encoding), storage_options, fsync=fsync)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -64,17 +64,21 @@ def _write_ipc(sink: Any, schema: pa.Schema, table: pa.Table) -> None:
         writer.write_table(table)
 
 
-def write_local(path: str, schema: pa.Schema, table: pa.Table, algorithm: str) -> tuple[int, str]:
+def write_local(
+    path: str, schema: pa.Schema, table: pa.Table, algorithm: str, *, fsync: bool = True
+) -> tuple[int, str]:
     """Write one shard atomically (temp file, fsync, rename); returns ``(bytes, checksum)``.
 
-    The directory fsync is left to the caller (once for all shards).
+    The directory fsync is left to the caller (once for all shards). ``fsync=False`` skips
+    the file's fsync (see ``save_batch``).
     """
     tmp = local_temp_path(path)
     try:
         with open(tmp, "wb", buffering=0) as raw:
             sink = _HashingSink(raw, algorithm)
             _write_ipc(pa.PythonFile(sink, mode="w"), schema, table)
-            os.fsync(raw.fileno())
+            if fsync:
+                os.fsync(raw.fileno())
         size = os.path.getsize(tmp)
         if size != sink.tell():
             raise OSError(f"short write to {tmp}: {size} of {sink.tell()} bytes")

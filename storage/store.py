@@ -9,6 +9,14 @@ before anything is touched); if the URI is committed, refuse unless ``overwrite=
 then delete the old manifest first (uncommit), so a crash anywhere later leaves nothing that
 loads; remove stale shard and temp files of earlier attempts; write each shard atomically
 (local: temp file + fsync + rename; S3: one object); write the manifest atomically.
+
+Durability (local): with ``fsync=True`` (default) every shard file and the directory are
+fsynced before the manifest is written, and the manifest and the directory after it, so a
+committed manifest implies durable shards even across a power loss. ``fsync=False`` skips
+all of these: every step stays atomic (temp + rename, manifest last), which keeps datasets
+consistent across a killed process (the OS page cache survives it) but not across a power
+loss or kernel crash (a manifest could then survive without its shards: such a dataset fails
+to load, it is never read as valid).
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ def save_batch(
     *,
     overwrite: bool = False,
     storage_options: Optional[Mapping[str, Any]] = None,
+    fsync: bool = True,
     **meta: Any,
 ) -> Manifest:
     """Write ``batch`` as ``num_shards`` Arrow IPC files plus ``_manifest.json`` (the commit).
@@ -113,7 +122,8 @@ def save_batch(
     their order. ``meta`` (JSON values: ``run_id``, ``step``, ``stage``, ``weights_version``...)
     goes into the manifest. Raises ``AlreadyCommittedError`` (a ``FileExistsError``) if ``uri``
     is committed and ``overwrite`` is false; ``ValueError``/``TypeError`` naming the column for
-    bad input, before anything is written or deleted.
+    bad input, before anything is written or deleted. ``fsync``: local durability (module
+    docstring); ignored for object stores.
     """
     uri = os.fspath(uri)
     shard_ranges(0, num_shards)  # validates num_shards early
@@ -131,7 +141,7 @@ def save_batch(
     ranges = shard_ranges(rows, num_shards)
     if committed:
         fs.rm(manifest_path)  # uncommit first: from here on a crash leaves nothing loadable
-        if local:
+        if local and fsync:
             sfs.fsync_dir(path)
         sfs.invalidate_cache(fs, path)
     _remove_stale(fs, path)
@@ -146,7 +156,7 @@ def save_batch(
         table = pa.Table.from_arrays([c.rows(start, stop) for c in columns], schema=schema)
         name = shard_name(index)
         if local:
-            size, checksum = write_local(f"{path}/{name}", schema, table, algorithm)
+            size, checksum = write_local(f"{path}/{name}", schema, table, algorithm, fsync=fsync)
         else:
             buf, checksum = serialize(schema, table, algorithm)
             size = buf.size
@@ -158,7 +168,7 @@ def save_batch(
         shards.append(ShardInfo(name=name, start=start, rows=stop - start, bytes=size, checksum=checksum))
     if pending:
         fs.pipe(pending)
-    if local:
+    if local and fsync:
         sfs.fsync_dir(path)
 
     manifest = Manifest(
@@ -172,7 +182,7 @@ def save_batch(
         checksum=combine(s.checksum for s in shards),
     )
     sfs.write_text_atomic(
-        sfs.join(uri, MANIFEST_NAME), manifest.model_dump_json(indent=1), storage_options
+        sfs.join(uri, MANIFEST_NAME), manifest.model_dump_json(indent=1), storage_options, fsync=fsync
     )
     return manifest
 

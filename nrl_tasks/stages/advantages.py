@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
 from nrl_tasks.stages.faults import fault_point
 
 __all__ = ["advantages", "compute_advantages"]
@@ -35,7 +34,7 @@ def compute_advantages(group_id: torch.Tensor, rewards: torch.Tensor, valid: tor
     return BatchedDataDict({"advantages": adv.to(torch.float32), "sample_mask": valid.to(torch.float32)})
 
 
-@task(name="advantages", task_run_name="advantages-{run_id}-step{step}", **TASK_DEFAULTS)
+@stage_task(name="advantages", task_run_name="advantages-{run_id}-step{step}", **TASK_DEFAULTS)
 def advantages(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     """GRPO advantages of the step; persist ``advantages``."""
     import storage
@@ -56,7 +55,7 @@ def advantages(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
     res = save_output(
         out, uri, run_id=run_id, step=step, stage="advantages", weights_version=None,
-        storage_options=rt.storage_options, seconds=timer.total(),
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
         groups_with_signal=mixed, advantage_abs_mean=float(out["advantages"].abs().mean()),
     )
     fault_point("advantages", step, "after")

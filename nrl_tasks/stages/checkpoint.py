@@ -26,9 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from prefect import task
-
-from nrl_tasks.stages.common import TASK_DEFAULTS
+from nrl_tasks.stages.common import TASK_DEFAULTS, stage_task
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
@@ -203,7 +201,7 @@ def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | 
     return info
 
 
-@task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
+@stage_task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, Any]:
     """Checkpoint the policy after ``train`` of ``step`` (idempotent: an existing commit is kept)."""
     from flows.runtime import get_runtime

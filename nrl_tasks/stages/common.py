@@ -6,6 +6,12 @@ A stage's output is one Arrow dataset at ``<run>/steps/step_NNNNNN/<stage>/``, w
 manifest dict of an already committed output, which is how a stage is idempotent on
 ``(run_id, step, stage)`` across flow runs: Prefect's own caching is off (its keys include the
 flow-run id and its results are pickles).
+
+Stages are :class:`StageTask` objects (:func:`stage_task`): Prefect tasks whose config argument
+reaches the function as it was passed instead of being walked field by field (Prefect
+visits every argument to find futures, twice per call; a ``MasterConfig`` has a few hundred
+nodes), and whose ``with_options`` variants are built once per set of options (Prefect
+re-reads the function's source to build one).
 """
 
 from __future__ import annotations
@@ -16,20 +22,74 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import pydantic
+from prefect import Task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 __all__ = [
     "TASK_DEFAULTS",
+    "StageTask",
     "StageTimer",
     "committed",
     "manifest_dict",
     "save_output",
     "stage_meta",
+    "stage_task",
 ]
 
 #: Options shared by every stage task: no Prefect result caching/persistence (resume relies on
 #: committed Arrow outputs), URIs in, small dicts out.
 TASK_DEFAULTS: dict[str, Any] = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+def _opaque(value: Any) -> Any:
+    """Pydantic models (the run config) go to the task as they are, not walked by Prefect."""
+    return quote(value) if isinstance(value, pydantic.BaseModel) else value
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    hash(value)  # TypeError: not cacheable
+    return value
+
+
+class StageTask(Task):
+    """A Prefect task for a pipeline stage (see the module docstring).
+
+    Calls behave like ``Task.__call__``; pydantic-model arguments are passed wrapped in
+    Prefect's ``quote`` (the function receives the model itself). ``with_options`` returns a
+    ``StageTask`` and the same object for the same options (tasks are not mutated).
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*map(_opaque, args), **{k: _opaque(v) for k, v in kwargs.items()})
+
+    def with_options(self, **options: Any) -> StageTask:  # type: ignore[override]
+        try:
+            key: Any = _freeze(options)
+        except TypeError:
+            key = None
+        variants = self.__dict__.setdefault("_stage_variants", {})
+        if key is not None and key in variants:
+            return variants[key]
+        new = super().with_options(**options)
+        new.__class__ = type(self)
+        if key is not None:
+            variants[key] = new
+        return new
+
+
+def stage_task(**options: Any) -> Any:
+    """``@stage_task(name=..., **TASK_DEFAULTS)``: like ``@prefect.task(...)``, making a :class:`StageTask`."""
+
+    def wrap(fn: Any) -> StageTask:
+        return StageTask(fn=fn, **options)
+
+    return wrap
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -97,9 +157,10 @@ def save_output(
     weights_version: int | None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
+    fsync: bool = True,
     **meta: Any,
 ) -> dict[str, Any]:
-    """Persist a stage output and return its manifest dict."""
+    """Persist a stage output and return its manifest dict (``fsync``: the run's ``storage.fsync``)."""
     import storage
 
     clean = {k: _jsonable(v) for k, v in meta.items()}
@@ -107,6 +168,7 @@ def save_output(
         batch,
         uri,
         overwrite=overwrite,
+        fsync=fsync,
         **_opts(storage_options),
         run_id=run_id,
         step=int(step),

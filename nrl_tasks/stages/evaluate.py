@@ -16,10 +16,9 @@ import os
 from typing import Any
 
 import torch
-from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
 from nrl_tasks.stages.faults import fault_point
 from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
 
@@ -117,7 +116,7 @@ def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
     return out
 
 
-@task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
+@stage_task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
     """Greedy evaluation on the validation prompts with the generation workers' current weights;
     persist ``val`` under the step (``step`` 0: before training)."""
@@ -139,7 +138,7 @@ def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
     summary = summarize_eval(samples)
     out = save_output(
         samples, uri, run_id=run_id, step=step, stage="val", weights_version=weights_version,
-        storage_options=rt.storage_options, seconds=timer.total(),
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
         val_accuracy=summary.get("accuracy"), val_num_prompts=summary.get("num_prompts"),
     )
     return {**out, "attempts": stage_attempts()}
@@ -156,7 +155,7 @@ def _eval_key(dataset: str | None) -> str:
     return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
 
 
-@task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
+@stage_task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
 def evaluate(
     cfg: Any,
     run_id: str,

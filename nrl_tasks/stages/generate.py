@@ -19,10 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
 from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
@@ -145,14 +144,14 @@ def ensure_prompts(cfg: Any, rt: Any, step: int) -> dict[str, Any]:
     fault_point("prompts", step, "during")
     out = save_output(
         batch, uri, run_id=rt.run_id, step=step, stage="prompts", weights_version=None,
-        storage_options=rt.storage_options, seconds=timer.total(),
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
     )
     fault_point("prompts", step, "after")
     out["batch"] = batch
     return out
 
 
-@task(name="prompts", task_run_name="prompts-{run_id}-step{step}", **TASK_DEFAULTS)
+@stage_task(name="prompts", task_run_name="prompts-{run_id}-step{step}", **TASK_DEFAULTS)
 def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     """The ``prompts`` dataset of a step as its own task (the flow lets ``generate`` do it)."""
     from flows.runtime import get_runtime
@@ -162,7 +161,7 @@ def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     return out
 
 
-@task(name="generate", task_run_name="generate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
+@stage_task(name="generate", task_run_name="generate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
     """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
 
@@ -195,7 +194,7 @@ def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str
     gen_s = timer.seconds["generate"]
     out = save_output(
         rollouts, uri, run_id=run_id, step=step, stage="rollouts", weights_version=weights_version,
-        storage_options=rt.storage_options, seconds=timer.total(), generate_seconds=gen_s,
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(), generate_seconds=gen_s,
         new_tokens=new_tokens, tokens_per_s=new_tokens / max(gen_s, 1e-9), prompts_seconds=pm.get("seconds"),
         truncated_frac=float(rollouts["truncated"].float().mean()),
         recovered=bool(recovery["recreated"] or recovery["refit"]),

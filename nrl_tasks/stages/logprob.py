@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
@@ -32,7 +31,7 @@ def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: 
     return BatchedDataDict({"prev_logprobs": prev, "reference_policy_logprobs": ref})
 
 
-@task(name="logprob", task_run_name="logprob-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
+@stage_task(name="logprob", task_run_name="logprob-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
     """Policy + reference logprobs of the step's rollouts (policy at ``weights_version``, restored
     first if its actors died); persist ``logprobs``."""
@@ -54,7 +53,7 @@ def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str,
     tokens = int(rollouts["input_lengths"].sum())
     res = save_output(
         out, uri, run_id=run_id, step=step, stage="logprobs", weights_version=weights_version,
-        storage_options=rt.storage_options, seconds=timer.total(),
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
         tokens_per_s=tokens / max(timer.seconds["compute"], 1e-9), compute_seconds=timer.seconds["compute"],
     )
     fault_point("logprob", step, "after")

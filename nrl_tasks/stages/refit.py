@@ -38,9 +38,9 @@ import threading
 import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
-from nrl_tasks.stages.common import TASK_DEFAULTS
+from nrl_tasks.stages.common import TASK_DEFAULTS, stage_task
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 
 __all__ = ["RefitFailedError", "abort_refit", "refit", "refit_weights"]
@@ -288,7 +288,7 @@ def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
-@task(
+@stage_task(
     name="refit",
     task_run_name="refit-{run_id}-v{weights_version}",
     retries=3,

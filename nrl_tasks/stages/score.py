@@ -15,11 +15,11 @@ import logging
 from typing import Any, Sequence
 
 import torch
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
 from nrl_tasks.stages.faults import fault_point
 
 __all__ = ["compute_rewards", "reward_function", "score"]
@@ -65,7 +65,7 @@ def compute_rewards(
     return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
 
 
-@task(name="score", task_run_name="score-{run_id}-step{step}", **TASK_DEFAULTS)
+@stage_task(name="score", task_run_name="score-{run_id}-step{step}", **TASK_DEFAULTS)
 def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_stage: str = "rollouts") -> dict[str, Any]:
     """Score the step's rollouts; persist ``rewards``."""
     import storage
@@ -88,7 +88,7 @@ def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_sta
     n_valid = int(valid.sum())
     out = save_output(
         batch, uri, run_id=run_id, step=step, stage=stage, weights_version=None,
-        storage_options=rt.storage_options, seconds=timer.total(),
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
         reward_mean=float(rewards[valid].mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
         invalid_rewards=int(valid.numel() - n_valid), reward_errors="; ".join(errors)[:2000],
     )

@@ -13,10 +13,9 @@ import math
 from typing import Any
 
 import torch
-from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_meta
+from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_meta, stage_task
 from nrl_tasks.stages.faults import arm_actor_kill, fault_point
 from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
 
@@ -119,7 +118,7 @@ def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
     return {"step": step, "replayed": True}
 
 
-@task(name="train", task_run_name="train-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
+@stage_task(name="train", task_run_name="train-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
 def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
@@ -152,7 +151,7 @@ def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
     row["step"] = torch.tensor([step], dtype=torch.int64)
     res = save_output(
         BatchedDataDict(row), uri, run_id=run_id, step=step, stage="train", weights_version=step,
-        storage_options=rt.storage_options, seconds=timer.total(), train_seconds=timer.seconds["train"],
+        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(), train_seconds=timer.seconds["train"],
         tokens_per_s=tokens / max(timer.seconds["train"], 1e-9), weights_checksum=checksum,
         loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
         recovered=recovery["restored_from"] != "live", replayed=",".join(map(str, recovery.get("replayed", []))),

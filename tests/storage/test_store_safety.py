@@ -223,3 +223,37 @@ def test_bad_arguments(tmp_path):
         load_batch(uri, verify="sometimes")
     with pytest.raises(ValueError, match="nope"):
         load_batch(uri, columns=["nope"])
+
+
+def _count_fsyncs(monkeypatch) -> list[int]:
+    """Spy on os.fsync (the real call still runs); returns the list of fds synced."""
+    synced: list[int] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(fd)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return synced
+
+
+def test_save_fsyncs_shards_manifest_and_directory(tmp_path, monkeypatch):
+    synced = _count_fsyncs(monkeypatch)
+    save_batch(batch_of(), tmp_path / "ds", num_shards=3)
+    # 3 shard files, the directory once before the commit, the manifest file, the directory after it
+    assert len(synced) == 6
+    same_batch(batch_of(), load_batch(tmp_path / "ds"))
+
+
+def test_save_without_fsync_is_still_atomic_and_loads(tmp_path, monkeypatch):
+    synced = _count_fsyncs(monkeypatch)
+    uri = tmp_path / "ds"
+    save_batch(batch_of(value=1), uri, num_shards=2, fsync=False)
+    save_batch(batch_of(value=2), uri, num_shards=3, fsync=False, overwrite=True)
+    assert synced == []
+    assert read_manifest(uri).meta == {}  # fsync is an option, not a meta key
+    same_batch(batch_of(value=2), load_batch(uri))
+    assert sorted(n for n in os.listdir(uri) if not n.startswith(".")) == [
+        "_manifest.json", "part-00000.arrow", "part-00001.arrow", "part-00002.arrow"
+    ]
