@@ -11,6 +11,13 @@ Prints the median per-stage seconds of both (first step excluded as warm-up), th
 wall time and the overhead ratio ``(a - b) / b``, and checks that both end with bit-identical
 weights (the pipeline is deterministic). Checkpoints and validation are off in both.
 
+The flow runs twice, with ``storage.fsync=true`` (the default: every committed dataset is
+durable across a power loss) and ``storage.fsync=false`` (consistent across killed processes
+only), and its step time is split into components (``benchmarks/_flow_spans.py``): Prefect
+task machinery, save/load of batches, fsyncs, idempotency checks, actor probes, the weights
+checksum, the metrics line, actor work and the rest; plus the CPU seconds per step of the flow
+process and of its Prefect server subprocess (which competes for the same cores).
+
     python -m benchmarks.bench_pipeline [--quick] [--steps N] [--config PATH] [key=value ...]
 """
 
@@ -24,6 +31,7 @@ import time
 from typing import Any
 
 from benchmarks._common import quiet_env
+from benchmarks._flow_spans import COMPONENTS, FlowSpans
 
 STAGES = ("prompts", "generate", "score", "logprob", "advantages", "train", "refit")
 
@@ -56,15 +64,17 @@ def run_memory(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, float]:
     return rows, checksum, setup
 
 
-def run_flow(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, list[float]]:
+def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], list[dict[str, float]]]:
+    """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
     from flows.grpo import grpo
     from flows.metrics import read_metrics
     from flows.runtime import get_runtime, shutdown_runtime
 
-    run_id = f"bench-flow-{os.getpid()}"
+    run_id = f"bench-flow{tag}-{os.getpid()}"
     os.environ["NRL_KEEP_ACTORS"] = "1"
     try:
-        res = grpo(config=cfg, run_id=run_id)
+        with FlowSpans() as spans:
+            res = grpo(config=cfg, run_id=run_id)
     finally:
         os.environ.pop("NRL_KEEP_ACTORS", None)
     rt = get_runtime(cfg, run_id)
@@ -73,7 +83,33 @@ def run_flow(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, list[floa
     finally:
         shutdown_runtime(run_id)
     rows = read_metrics(res["metrics_uri"])
-    return rows, checksum, res["step_wall_s"]
+    return rows, checksum, res["step_wall_s"], spans.per_step()
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1000:.1f}"
+
+
+def print_breakdown(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, float]]]], warm: slice, mem_step: float) -> None:
+    """The per-component table: milliseconds per step (medians over the warm steps) of each flow run."""
+    med: dict[str, dict[str, float]] = {}
+    for label, (rows, comps) in runs.items():
+        c = [dict(x, compute=r.get("compute_s") or 0.0) for x, r in zip(comps, rows)][warm]
+        m = FlowSpans.medians(c)
+        m["rest"] = statistics.median(x["other"] - x["compute"] for x in c)
+        m["overhead"] = statistics.median(x["wall"] - x["compute"] for x in c)
+        med[label] = m
+    labels = list(runs)
+    print("\n### where a flow step's time goes (ms per step, medians)\n")
+    print("| component | " + " | ".join(labels) + " |")
+    print("|---|" + "---:|" * len(labels))
+    table = [("**step wall**", "wall"), ("actor + reward work (compute_s)", "compute")]
+    table += [(desc, key) for key, desc in COMPONENTS.items()]
+    table += [("rest (stage glue, batch assembly, scheduling)", "rest"), ("**in-run overhead (wall - work)**", "overhead")]
+    table += [("CPU of the flow process", "cpu_flow"), ("CPU of its Prefect server subprocess", "cpu_server")]
+    for desc, key in table:
+        print(f"| {desc} | " + " | ".join(_ms(med[lab].get(key)) for lab in labels) + " |")
+    print(f"\nin-memory loop step wall: {mem_step * 1000:.1f} ms")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -102,7 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(cfg.storage.root, exist_ok=True)
     connect_ray(cfg)
     mem_rows, mem_sum, _ = run_memory(cfg, steps)
-    flow_rows, flow_sum, flow_wall = run_flow(cfg, steps)
+    flow_rows, flow_sum, flow_wall, flow_comps = run_flow(cfg, steps)
+    nosync = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"fsync": False})})
+    ns_rows, ns_sum, ns_wall, ns_comps = run_flow(nosync, steps, tag="-nofsync")
 
     warm = slice(1, None) if steps > 1 else slice(0, None)
     mem_w, flow_w = mem_rows[warm], flow_rows[warm]
@@ -127,9 +165,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"in-run overhead of the flow (step wall - actor/reward time): {in_run * 1000:.0f} ms per step = "
             f"**{100 * in_run / comp:.1f}%** of {comp:.3f} s of work"
         )
-    same = flow_sum == mem_sum
-    print(f"final weights identical (flow vs loop): {same} ({flow_sum[:16]})")
-    return {"overhead": overhead, "flow_step_s": flow_step, "mem_step_s": mem_step, "identical": same}
+    ns_step = statistics.median(ns_wall[warm])
+    print(f"flow with storage.fsync=false: step wall **{ns_step:.4f}** s, overhead ratio {100 * (ns_step - mem_step) / mem_step:.1f}%")
+    print_breakdown(
+        {"flow, fsync=true (default)": (flow_rows, flow_comps), "flow, fsync=false": (ns_rows, ns_comps)}, warm, mem_step
+    )
+    same = flow_sum == mem_sum == ns_sum
+    print(f"\nfinal weights identical (flow fsync=true, flow fsync=false, loop): {same} ({flow_sum[:16]})")
+    return {
+        "overhead": overhead, "flow_step_s": flow_step, "mem_step_s": mem_step, "identical": same,
+        "flow_nofsync_step_s": ns_step,
+    }
 
 
 if __name__ == "__main__":
