@@ -115,7 +115,18 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
     except ValueError as exc:
         return _error(str(exc))
-    print(f"nrl: resuming run {run_id} at {layout.run_uri}", flush=True)
+    from flows.run_process import describe_status
+    from flows.run_state import read_status
+
+    status = read_status(layout, opts) or {}
+    state, proc = describe_status(status), status.get("flow_process") or {}
+    if state == "running":  # two flows would write the same run
+        print(f"nrl: warning: run {run_id} is still running (flow process {proc.get('pid')} on {proc.get('host')} "
+              "is alive)", file=sys.stderr)
+    elif state == "running?":
+        print(f"nrl: warning: run {run_id} may still be running (flow process {proc.get('pid')} on "
+              f"{proc.get('host') or 'an unknown host'})", file=sys.stderr)
+    print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
     from flows.grpo import grpo
 
     return _run_flow(
@@ -197,11 +208,11 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs under {root}")
         return 0
-    print(f"{'run_id':40} {'status':10} {'step':>9}  updated")
+    print(f"{'run_id':40} {'step':>9}  {'updated':19}  status")
     for r in runs:
         upd = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_unix"])) if r.get("updated_unix") else "-"
         steps = f"{r['last_step']}/{r['max_steps'] or '?'}"
-        print(f"{r['run_id']:40} {r['status']:10} {steps:>9}  {upd}")
+        print(f"{r['run_id']:40} {steps:>9}  {upd:19}  {r['state']}")
     return 0
 
 

@@ -3,7 +3,9 @@
 - ``config.yaml`` is written once when the run is created (credentials redacted, hash inside);
   a resume with a different config hash is refused with both hashes in the message.
 - ``status.json`` (``status``: running | completed | failed, ``last_step``, ``flow_run_id``,
-  ``updated_unix``, ``error``) feeds ``nrl runs``.
+  ``updated_unix``, ``error``, ``flow_process``: host/pid/start time of the flow process,
+  ``local_ray``: the session directory of a local Ray it started) feeds ``nrl runs``, which
+  shows a ``running`` run whose flow process is gone as crashed (:mod:`flows.run_process`).
 - The *trained prefix* is the longest run of steps ``1..k`` whose ``train`` output is
   committed; ``k`` is the data cursor.
 """
@@ -213,7 +215,13 @@ def apply_recompute(layout: RunLayout, specs: list[tuple[str, int]], storage_opt
 
 
 def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Runs under ``root``: ``[{run_id, status, last_step, max_steps, updated_unix, ...}]``."""
+    """Runs under ``root``: ``[{run_id, status, state, last_step, max_steps, updated_unix, ...}]``.
+
+    ``status`` is the stored one; ``state`` the same checked against the flow process
+    (:func:`flows.run_process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``).
+    """
+    from flows.run_process import describe_status
+
     fs = _fs()
     if not fs.exists(root, storage_options=storage_options):
         return []
@@ -232,6 +240,7 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
             {
                 "run_id": name,
                 "status": status.get("status", "unknown"),
+                "state": describe_status(status),
                 "last_step": last,
                 "max_steps": status.get("max_steps"),
                 "updated_unix": status.get("updated_unix"),
