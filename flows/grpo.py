@@ -8,6 +8,10 @@ with the flow process) or hold other weights than the run's trained prefix, the 
 is restored and the ``train`` stages after it are *replayed* from their persisted batches (no
 regeneration). Every resume then starts the generation side with a full refit.
 
+Without a Ray address the flow starts its own local Ray and stops it when it ends, completed or
+failed (``NRL_KEEP_ACTORS=1`` keeps it); ``status.json`` records the flow process and that Ray's
+session, so a resume first stops what a SIGKILLed predecessor left of it (:mod:`flows.run_process`).
+
 Stages that call actors run with the run's ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``
 (retried on actor faults only), the refit with ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s``.
 
@@ -35,11 +39,13 @@ from flows.run_state import (
     check_storage_root,
     init_run,
     parse_recompute,
+    read_status,
     saved_config_data,
     trained_prefix,
     write_status,
 )
-from flows.runtime import Runtime, setup_runtime, shutdown_runtime
+from flows.run_process import current_process, reap_local_ray, this_host
+from flows.runtime import Runtime, ray_connected, setup_runtime, shutdown_local_ray, shutdown_runtime
 
 __all__ = ["grpo", "new_run_id", "resolve_config", "run_grpo_steps"]
 
@@ -317,18 +323,34 @@ def grpo(
         deleted = apply_recompute(layout, specs, opts)
         logger.info("recompute %s: deleted %s", recompute, deleted)
     check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
-    write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash, error=None)
+    reaped = reap_local_ray(read_status(layout, opts) or {})  # a crashed earlier flow's local Ray
+    if reaped:
+        logger.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
+    write_status(
+        layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash,
+        error=None, flow_process=current_process(), local_ray=None,
+    )
     logger.info("run %s at %s (config hash %s, resume=%s)", run_id, layout.run_uri, chash, resume)
+    keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
+    own_ray = not ray_connected()  # a local Ray started by this flow is stopped when it ends, failed or not
+
+    def record_ray(rt: Runtime) -> None:
+        if rt.ray_session_dir:
+            write_status(layout, opts, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
+
     try:
-        rt = setup_runtime(cfg, run_id)
+        rt = setup_runtime(cfg, run_id, on_connect=record_ray)
         info = run_grpo_steps(rt, cfg, chash=chash, resume=resume)
+        rows = read_metrics(layout.metrics_uri, opts)
+        write_status(layout, opts, status="completed", last_step=cfg.grpo.max_num_steps)
+        if not keep:
+            shutdown_runtime(run_id)
     except BaseException as exc:
         write_status(layout, opts, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    rows = read_metrics(layout.metrics_uri, opts)
-    write_status(layout, opts, status="completed", last_step=cfg.grpo.max_num_steps)
-    if os.environ.get("NRL_KEEP_ACTORS", "0") != "1":
-        shutdown_runtime(run_id)
+    finally:
+        if own_ray and not keep:
+            shutdown_local_ray(run_id)
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     return {

@@ -6,6 +6,10 @@ detached in the Ray namespace ``nrl-<run_id>``: ``lm_policy-<rank>`` (trainer wo
 ``generation-<rank>`` and, when configured, ``reward_model-<rank>``; placement groups are
 ``<run_id>-policy-pg0`` etc. With a Ray head node they outlive the flow process and a resumed
 flow re-attaches; with a local Ray they die with it and resume re-creates them.
+
+A local Ray started by :func:`setup_runtime` (no ``cluster.ray.address`` / ``RAY_ADDRESS`` and
+no Ray in the process yet) belongs to the run: ``Runtime.ray_session_dir`` names its session
+directory and :func:`shutdown_local_ray` stops it (daemons included) when the flow ends.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from flows.config import MasterConfig
 from flows.run_layout import RunLayout
@@ -23,9 +28,12 @@ __all__ = [
     "Runtime",
     "connect_ray",
     "get_runtime",
+    "local_ray_session",
     "namespace_for",
+    "ray_connected",
     "register_runtime",
     "setup_runtime",
+    "shutdown_local_ray",
     "shutdown_runtime",
 ]
 
@@ -66,6 +74,55 @@ def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
     return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
 
 
+def ray_connected() -> bool:
+    """Whether this process is connected to Ray already (then the flow reuses that Ray)."""
+    import ray
+
+    return bool(ray.is_initialized())
+
+
+def local_ray_session() -> str | None:
+    """Session directory of the local Ray head this process started, else ``None``."""
+    from nrl_tasks.distributed.virtual_cluster import local_head_session_dir
+
+    return local_head_session_dir()
+
+
+#: Name prefixes of this project's background threads that call Ray (fault hooks, refit watchdog).
+RAY_THREAD_PREFIXES = ("nrl-fault", "nrl-refit")
+
+
+def _ray_threads_finished(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the :data:`RAY_THREAD_PREFIXES` threads; True when none is left."""
+    me = threading.current_thread()
+    threads = [th for th in threading.enumerate() if th is not me and th.name.startswith(RAY_THREAD_PREFIXES)]
+    deadline = time.monotonic() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    return not any(th.is_alive() for th in threads)
+
+
+def shutdown_local_ray(run_id: str | None = None, *, thread_timeout_s: float = 15.0) -> bool:
+    """Stop the local Ray head this process started (actors, raylet, GCS, agents; waits for the
+    head's processes) and forget ``run_id``'s cached handles. False (nothing done) when this
+    process only connected to a cluster or has no Ray.
+
+    A thread that touches Ray after ``ray.shutdown()`` makes Ray end the whole process, so the
+    project's Ray-calling background threads are waited for first (``thread_timeout_s``); if one
+    is still busy, Ray is left to the process's exit (a warning says so)."""
+    if run_id is not None:
+        drop_runtime(run_id)
+    if local_ray_session() is None:
+        return False
+    if not _ray_threads_finished(thread_timeout_s):
+        logger.warning("local Ray left running until this process exits: a background thread still uses it")
+        return False
+    import ray
+
+    ray.shutdown(wait_for_processes=True)
+    return True
+
+
 def load_tokenizer(cfg: MasterConfig) -> Any:
     from transformers import AutoTokenizer
 
@@ -88,6 +145,8 @@ class Runtime:
     clusters: dict[str, Any] = field(default_factory=dict)
     policy_attached: bool = False
     generation_attached: bool = False
+    #: session directory of the local Ray that :func:`setup_runtime` started for this run
+    ray_session_dir: str | None = None
     _records: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     @property
@@ -246,11 +305,18 @@ def register_runtime(rt: Runtime) -> Runtime:
     return rt
 
 
-def setup_runtime(cfg: MasterConfig, run_id: str, *, with_actors: bool = True) -> Runtime:
+def setup_runtime(
+    cfg: MasterConfig,
+    run_id: str,
+    *,
+    with_actors: bool = True,
+    on_connect: Callable[[Runtime], None] | None = None,
+) -> Runtime:
     """Connect Ray, load the tokenizer, attach to or create the run's actors; cache and return.
 
     The storage retry policy (``storage.retry``) is applied and the train data snapshot is taken
-    (bad prompt files fail here) before Ray is touched.
+    (bad prompt files fail here) before Ray is touched. ``on_connect(rt)`` runs once Ray is up,
+    before any actor (``rt.ray_session_dir`` is set when this call started a local Ray).
     """
     import storage.retry
 
@@ -264,7 +330,11 @@ def setup_runtime(cfg: MasterConfig, run_id: str, *, with_actors: bool = True) -
     )
     if with_actors:
         rt.train_records()
+    fresh = not ray_connected()
     connect_ray(cfg, namespace=rt.namespace)
+    rt.ray_session_dir = local_ray_session() if fresh else None
+    if on_connect is not None:
+        on_connect(rt)
     if with_actors:
         rt.start_policy()
         rt.start_generation()

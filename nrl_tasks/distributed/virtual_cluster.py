@@ -69,6 +69,22 @@ def init_ray(
     return ray.get_runtime_context().gcs_address
 
 
+def local_head_session_dir() -> str | None:
+    """Session directory of the Ray head *this process* started (``ray.init`` without an
+    address), e.g. ``/tmp/ray/session_<date>_<pid>``; ``None`` when connected to an existing
+    cluster or not initialised. Every daemon of that head (GCS, raylet, agents, workers) has
+    its logs open under it, which is how leftovers of a dead head are recognised."""
+    ray = _ray()
+    if not ray.is_initialized():
+        return None
+    from ray._private import worker as _worker  # internal; ``_global_node`` is set by ray.init
+
+    node = getattr(_worker, "_global_node", None)
+    if node is None or not node.is_head():
+        return None
+    return str(node.get_session_dir_path())
+
+
 def _current_namespace() -> str:
     return _ray().get_runtime_context().namespace
 

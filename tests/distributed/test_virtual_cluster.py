@@ -18,6 +18,25 @@ def test_init_ray_is_idempotent(ray_session):
     assert init_ray(num_cpus=3) == ray_session  # already initialised: reused, not restarted
 
 
+def test_local_head_session_dir_only_for_a_head_this_process_started(ray_session):
+    import os
+    import subprocess
+    import sys
+
+    from nrl_tasks.distributed.virtual_cluster import local_head_session_dir
+
+    session = local_head_session_dir()  # the session fixture's ray.init started the head here
+    assert session and os.path.isfile(os.path.join(session, "logs", "raylet.out")), session
+    probe = (
+        "import sys; from nrl_tasks.distributed.virtual_cluster import init_ray, local_head_session_dir; "
+        "print('before', local_head_session_dir()); init_ray(sys.argv[1]); print('after', local_head_session_dir())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, ray_session], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert out.split() == ["before", "None", "after", "None"]  # connected to it, did not start it
+
+
 def test_reserves_bundles_and_reattaches(ray_session):
     import ray
 

@@ -1,0 +1,213 @@
+"""A flow that starts its own local Ray leaves no Ray process behind: not when it fails, and not
+when it is SIGKILLed and then resumed.
+
+``nrl grpo`` without a Ray address (1 step of the tiny config, real Prefect API):
+
+- **Failed**: ``NRL_FAULT_KILL_ACTOR_AT=policy:train@1`` with no stage retries; the flow's
+  ``finally`` stops the Ray it started (:func:`flows.runtime.shutdown_local_ray`). Checked while
+  the process that ran the flow still lives (a long-lived caller, like a worker), so Ray's own
+  exit hook is not what stopped it.
+- **SIGKILLed, then resumed**: ``NRL_FAULT_KILL_AT=train@1:after``. The GCS and raylet die with
+  the flow process, but Ray 2.60's dashboard and runtime-env agents hang for 60 s reporting it to
+  the dead GCS, deaf to SIGTERM; ``nrl runs`` shows the run as crashed; ``nrl resume`` stops what
+  is left of that session (:func:`flows.run_process.reap_local_ray`) and completes.
+
+Every process the ``nrl`` commands started is tracked while they run (psutil, by PID), and every
+process holding the recorded session directory open is looked up afterwards: none of them may be
+alive. Other Ray instances on the machine are neither counted nor touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.fixtures.grpo_runs import REPO, tiny_run_config
+
+FAULT_VARS = ("NRL_FAULT_KILL_AT", "NRL_FAULT_KILL_ACTOR_AT", "NRL_FAULT_REFIT_PARTIAL", "NRL_KEEP_ACTORS", "RAY_ADDRESS")
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+#: ``flows.cli.main(ARGV)`` in a process that stays alive afterwards until its stdin closes
+HELD_CLI = "import sys; from flows.cli import main; rc = main(sys.argv[1:]); print('NRL-DONE', rc, flush=True); sys.stdin.read()"
+
+
+class Nrl:
+    """``nrl ARGS`` in a fresh process with its own local Ray (no Ray address); every descendant
+    is tracked while it runs. ``hold=True``: the process stays alive after the command returns
+    (``returncode`` is then the command's) until :meth:`close`."""
+
+    def __init__(self, args: list[str], api_url: str, *, hold: bool = False, **fault_env: str) -> None:
+        import threading
+
+        env = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
+        env.update(PREFECT_API_URL=api_url, **fault_env)
+        cmd = [sys.executable, "-c", HELD_CLI, *args] if hold else [sys.executable, "-m", "flows.cli", *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.tracked: set[psutil.Process] = set()
+        self.lines: list[str] = []
+        root = psutil.Process(self.proc.pid)
+        reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 300
+        while self.proc.poll() is None and time.monotonic() < deadline and not self.done:
+            try:
+                self.tracked.update(root.children(recursive=True))
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        if self.proc.poll() is not None:
+            reader.join(timeout=10)
+        if self.done:
+            self.returncode = int(self.done.split()[1])
+        elif self.proc.poll() is None:
+            self.close()
+            raise AssertionError(f"nrl {args} did not finish:\n{self.output[-3000:]}")
+        else:
+            self.returncode = self.proc.returncode
+
+    @property
+    def done(self) -> str | None:
+        return next((ln for ln in list(self.lines) if ln.startswith("NRL-DONE")), None)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        _kill(self.tracked)
+
+
+def _session_procs(session_dir: str) -> list[psutil.Process]:
+    """Processes whose command line names ``session_dir`` or that hold a file open under it."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if session_dir in " ".join(p.info["cmdline"] or []) or any(
+                f.path.startswith(session_dir + os.sep) for f in p.open_files()
+            ):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _left(tracked: set[psutil.Process], session_dir: str, wait_s: float = 15.0, caller: int | None = None) -> list[str]:
+    """``name(pid)`` of the tracked / session processes still alive after up to ``wait_s``
+    (``caller``: the live process that ran the flow, a driver of the session, not counted)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        session = {p for p in _session_procs(session_dir) if p.pid != caller}
+        left = {p for p in tracked | session if _alive(p)}
+        if not left or time.monotonic() > deadline:
+            out = []
+            for p in left:
+                try:
+                    cmd = " ".join(p.cmdline()[1:3])[-80:] if p.name().startswith("python") else ""
+                    out.append(f"{p.name()}({p.pid}, ppid {p.ppid()}{', ' + cmd if cmd else ''})")
+                except psutil.Error:
+                    pass
+            return sorted(out)
+        time.sleep(0.5)
+
+
+def _status(root: str, run_id: str) -> dict[str, Any]:
+    with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _kill(procs: set[psutil.Process]) -> None:
+    for p in procs:
+        if _alive(p):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture
+def own_ray_config(tmp_path, tiny_model_dir) -> tuple[str, str]:
+    """``(config path, storage root)``: 1 step of the tiny config, no Ray address (a local Ray per flow)."""
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(
+        tiny_model_dir, root, None,
+        **{"grpo.max_num_steps": 1, "grpo.stage_retries": 0, "checkpointing.enabled": False},
+    )
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), root
+
+
+@pytest.mark.slow
+def test_failed_flow_stops_its_local_ray(own_ray_config, prefect_harness):
+    cfg, root = own_ray_config
+    run = Nrl(
+        ["grpo", "--config", cfg, "--run-id", "fails"], prefect_harness, hold=True,
+        NRL_FAULT_KILL_ACTOR_AT="policy:train@1",
+    )
+    try:
+        assert run.returncode == 1 and run.proc.poll() is None, run.output[-3000:]
+        status = _status(root, "fails")
+        assert status["status"] == "failed" and "ActorDiedError" in status["error"], status
+        session = status["local_ray"]["session_dir"]
+        assert os.path.isdir(session) and run.tracked
+        assert _left(run.tracked, session, caller=run.proc.pid) == []  # the flow's caller still runs
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, prefect_harness, capsys):
+    from flows.run_state import list_runs
+
+    cfg, root = own_ray_config
+    first = Nrl(["grpo", "--config", cfg, "--run-id", "killed"], prefect_harness, NRL_FAULT_KILL_AT="train@1:after")
+    second = None
+    try:
+        assert first.returncode == -9, first.output[-3000:]
+        status = _status(root, "killed")
+        pid = status["flow_process"]["pid"]
+        crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
+        assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
+        session1 = status["local_ray"]["session_dir"]
+        before = _left(first.tracked, session1, wait_s=0)  # what Ray itself has not stopped (yet)
+        second = Nrl(["resume", "killed", "--storage", root], prefect_harness)
+        out = second.output
+        assert second.returncode == 0, out[-3000:]
+        assert f"resuming run killed ({crashed})" in out
+        status = _status(root, "killed")
+        assert status["status"] == "completed" and status["last_step"] == 1, status
+        session2 = status["local_ray"]["session_dir"]
+        assert session2 != session1
+        assert _left(first.tracked, session1) == []
+        assert _left(second.tracked, session2) == []
+        reaped = [ln.strip() for ln in out.splitlines() if "leftover process" in ln]
+        with capsys.disabled():
+            print(f"\nleft by the SIGKILLed flow when the resume started: {before}; resume: {reaped}")
+    finally:
+        for run in (first, second):
+            if run is not None:
+                run.close()
