@@ -8,7 +8,8 @@ while the actors stream), on different steps; the actors survive the first kill 
 verifies them) and are killed with the second (a local Ray dying with the flow: resume restores
 the last checkpoint and replays the persisted ``train`` stages). ``train@2:after`` (between
 ``train`` and ``refit``) and ``checkpoint@3:during`` are covered by ``tests/flows/test_resume.py``
-in the fast suite.
+in the fast suite. The ``train`` case runs once more with ``storage.fsync=false`` (no fsyncs:
+still consistent across killed processes, the page cache survives them).
 
 Invariant: a stage's output is committed (manifest written last) or absent; every resume
 recomputes exactly the absent outputs, deterministically (seeds from ``(seed, step, stage,
@@ -41,14 +42,20 @@ POINTS = {
 }
 
 
+#: ``storage.fsync=false`` keeps datasets consistent across killed processes: one stage again without fsyncs
+CASES = [pytest.param(stage, True, id=stage) for stage in POINTS] + [pytest.param("train", False, id="train-nofsync")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", list(POINTS))
-def test_flow_killed_at_stage_then_resumed(stage, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("stage,fsync", CASES)
+def test_flow_killed_at_stage_then_resumed(stage, fsync, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
     baseline = e2e_run["root"]
     root = str(tmp_path / "runs")
-    run_id = f"kill-{stage}"
+    run_id = f"kill-{stage}" if fsync else f"kill-{stage}-nofsync"
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session)
+    cfg.setdefault("storage", {})["fsync"] = fsync
     cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, root, ray_session)))
+    cfg_path.write_text(yaml.safe_dump(cfg))
     first, second = POINTS[stage]
     killed = -signal.SIGKILL
     try:
