@@ -64,7 +64,10 @@ def run_memory(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, float]:
     return rows, checksum, setup
 
 
-def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], list[dict[str, float]]]:
+Components = list[dict[str, float]]
+
+
+def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], Components]:
     """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
     from flows.grpo import grpo
     from flows.metrics import read_metrics
@@ -90,7 +93,7 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v * 1000:.1f}"
 
 
-def print_breakdown(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, float]]]], warm: slice, mem_step: float) -> None:
+def print_breakdown(runs: dict[str, tuple[list[dict[str, Any]], Components]], warm: slice, mem_step: float) -> None:
     """The per-component table: milliseconds per step (medians over the warm steps) of each flow run."""
     med: dict[str, dict[str, float]] = {}
     for label, (rows, comps) in runs.items():
@@ -105,7 +108,8 @@ def print_breakdown(runs: dict[str, tuple[list[dict[str, Any]], list[dict[str, f
     print("|---|" + "---:|" * len(labels))
     table = [("**step wall**", "wall"), ("actor + reward work (compute_s)", "compute")]
     table += [(desc, key) for key, desc in COMPONENTS.items()]
-    table += [("rest (stage glue, batch assembly, scheduling)", "rest"), ("**in-run overhead (wall - work)**", "overhead")]
+    table += [("rest (stage glue, batch assembly, scheduling)", "rest")]
+    table += [("**in-run overhead (wall - work)**", "overhead")]
     table += [("CPU of the flow process", "cpu_flow"), ("CPU of its Prefect server subprocess", "cpu_server")]
     for desc, key in table:
         print(f"| {desc} | " + " | ".join(_ms(med[lab].get(key)) for lab in labels) + " |")
@@ -166,9 +170,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"**{100 * in_run / comp:.1f}%** of {comp:.3f} s of work"
         )
     ns_step = statistics.median(ns_wall[warm])
-    print(f"flow with storage.fsync=false: step wall **{ns_step:.4f}** s, overhead ratio {100 * (ns_step - mem_step) / mem_step:.1f}%")
+    ns_ratio = 100 * (ns_step - mem_step) / mem_step
+    print(f"flow with storage.fsync=false: step wall **{ns_step:.4f}** s, overhead ratio {ns_ratio:.1f}%")
     print_breakdown(
-        {"flow, fsync=true (default)": (flow_rows, flow_comps), "flow, fsync=false": (ns_rows, ns_comps)}, warm, mem_step
+        {"flow, fsync=true (default)": (flow_rows, flow_comps), "flow, fsync=false": (ns_rows, ns_comps)},
+        warm,
+        mem_step,
     )
     same = flow_sum == mem_sum == ns_sum
     print(f"\nfinal weights identical (flow fsync=true, flow fsync=false, loop): {same} ({flow_sum[:16]})")

@@ -48,7 +48,9 @@ CASES = [pytest.param(stage, True, id=stage) for stage in POINTS] + [pytest.para
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,fsync", CASES)
-def test_flow_killed_at_stage_then_resumed(stage, fsync, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
+def test_flow_killed_at_stage_then_resumed(
+    stage, fsync, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path
+):
     baseline = e2e_run["root"]
     root = str(tmp_path / "runs")
     run_id = f"kill-{stage}" if fsync else f"kill-{stage}-nofsync"
