@@ -53,6 +53,16 @@ def source() -> tuple[str, Any, list[str], dict]:
     return _SOURCE["path"], _SOURCE["batch"], _SOURCE["names"], _SOURCE["manifest"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _source_built_outside_strategies() -> Iterator[None]:
+    """Build the source dataset before Hypothesis draws (strategies read it; building it draws
+    from ``random``, which Hypothesis flags inside a strategy), and remove it afterwards."""
+    path, *_ = source()
+    yield
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    _SOURCE.clear()
+
+
 @contextmanager
 def fresh_copy() -> Iterator[str]:
     path, *_ = source()
