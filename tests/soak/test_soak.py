@@ -196,8 +196,15 @@ def test_soak_50_steps(tmp_path, tiny_model_dir):
     steps = [s["step"] for s in samples]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS and len(steps) >= STEPS - 5, steps
     assert any(r.startswith("policy:") for r in roles) and any(r.startswith("generation:") for r in roles)
+    # The same actor processes all along: no actor re-created (as many actor pids as at step 1),
+    # each one sampled at every step from its first; only the sample of the last step may miss an
+    # actor, which the flow is already shutting down once that step's metrics line is written.
+    first_actors = {r for r in samples[0]["rss_mb"] if r != "driver"}
+    assert {r for r in roles if r != "driver"} == first_actors, (roles, first_actors)
     for role, ys in series.items():
-        assert len(ys) == len(samples), (role, len(ys))  # the same actor processes all along
+        seen = [i for i, s in enumerate(samples) if role in s["rss_mb"]]
+        allowed_gap = 0 if role == "driver" else 1
+        assert seen == list(range(len(seen))) and len(seen) >= len(samples) - allowed_gap, (role, seen)
         tail = ys[-WINDOW:]
         assert _slope(tail) < SLOPE_MB_PER_STEP, (role, _slope(tail), tail)
         assert max(tail) - min(tail) < SPREAD_MB, (role, min(tail), max(tail))
