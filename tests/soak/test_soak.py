@@ -197,14 +197,15 @@ def test_soak_50_steps(tmp_path, tiny_model_dir):
     assert steps == sorted(set(steps)) and steps[-1] == STEPS and len(steps) >= STEPS - 5, steps
     assert any(r.startswith("policy:") for r in roles) and any(r.startswith("generation:") for r in roles)
     # The same actor processes all along: no actor re-created (as many actor pids as at step 1),
-    # each one sampled at every step from its first; only the sample of the last step may miss an
-    # actor, which the flow is already shutting down once that step's metrics line is written.
+    # each one sampled at every step. The last step's sample is left out for actors: the flow
+    # tears them down once that step's metrics line is written, so the sample races their exit
+    # (seen in CI: an actor missing, or an RSS of 0 from an exiting process).
     first_actors = {r for r in samples[0]["rss_mb"] if r != "driver"}
     assert {r for r in roles if r != "driver"} == first_actors, (roles, first_actors)
-    for role, ys in series.items():
-        seen = [i for i, s in enumerate(samples) if role in s["rss_mb"]]
-        allowed_gap = 0 if role == "driver" else 1
-        assert seen == list(range(len(seen))) and len(seen) >= len(samples) - allowed_gap, (role, seen)
+    for role in roles:
+        kept = samples if role == "driver" else samples[:-1]
+        assert all(role in s["rss_mb"] for s in kept), (role, [s["step"] for s in kept if role not in s["rss_mb"]])
+        ys = [s["rss_mb"][role] for s in kept]
         tail = ys[-WINDOW:]
         assert _slope(tail) < SLOPE_MB_PER_STEP, (role, _slope(tail), tail)
         assert max(tail) - min(tail) < SPREAD_MB, (role, min(tail), max(tail))
