@@ -31,15 +31,10 @@ import pytest
 import yaml
 
 from tests.fixtures.grpo_runs import REPO, tiny_run_config
+from tests.fixtures.processes import alive
 
 FAULT_VARS = ("NRL_FAULT_KILL_AT", "NRL_FAULT_KILL_ACTOR_AT", "NRL_FAULT_REFIT_PARTIAL", "NRL_KEEP_ACTORS", "RAY_ADDRESS")
 
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 #: ``flows.cli.main(ARGV)`` in a process that stays alive afterwards until its stdin closes
@@ -121,7 +116,7 @@ def _left(tracked: set[psutil.Process], session_dir: str, wait_s: float = 15.0, 
     deadline = time.monotonic() + wait_s
     while True:
         session = {p for p in _session_procs(session_dir) if p.pid != caller}
-        left = {p for p in tracked | session if _alive(p)}
+        left = {p for p in tracked | session if alive(p)}
         if not left or time.monotonic() > deadline:
             out = []
             for p in left:
@@ -141,7 +136,7 @@ def _status(root: str, run_id: str) -> dict[str, Any]:
 
 def _kill(procs: set[psutil.Process]) -> None:
     for p in procs:
-        if _alive(p):
+        if alive(p):
             try:
                 p.kill()
             except psutil.Error:

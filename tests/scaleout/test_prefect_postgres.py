@@ -20,6 +20,7 @@ import tempfile
 import psutil
 import pytest
 
+from tests.fixtures.processes import alive
 from tests.scaleout.helpers import BIN, REPO, clean_env, read_env_file, run
 
 SCRIPT = os.path.join(REPO, ".ci", "scaleout", "prefect_postgres.sh")
@@ -60,12 +61,6 @@ def _trees(state: str) -> list[psutil.Process]:
             pass
     return out
 
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.slow
@@ -143,5 +138,5 @@ def test_deployments_run_on_a_postgres_backed_server(tmp_path, tiny_model_dir):
         finally:
             shutil.rmtree(state, ignore_errors=True)
     assert procs
-    left = [p for p in procs if _alive(p)]
+    left = [p for p in procs if alive(p)]
     assert not left, f"processes left after stop: {[(p.pid, p.name()) for p in left]}"

@@ -20,6 +20,7 @@ import tempfile
 import psutil
 import pytest
 
+from tests.fixtures.processes import alive
 from tests.scaleout.helpers import NRL, REPO, TINY_CONFIG, clean_env, read_env_file, run
 
 SCRIPT = os.path.join(REPO, ".ci", "scaleout", "ray_two_nodes.sh")
@@ -56,12 +57,6 @@ def _tree(pid: int) -> list[psutil.Process]:
     except psutil.NoSuchProcess:
         return []
 
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.slow
@@ -125,5 +120,5 @@ def test_policy_and_generation_on_different_nodes(tmp_path, tiny_model_dir):
         run(["bash", SCRIPT, "stop"], env, timeout=300)
         shutil.rmtree(state, ignore_errors=True)
     assert procs, "no cluster processes were found"
-    left = [p for p in procs if _alive(p)]
+    left = [p for p in procs if alive(p)]
     assert not left, f"processes left after stop: {[(p.pid, p.name()) for p in left]}"

@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +69,15 @@ def _prefect_records(flow_name_like: str) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
 
+    async def every_page(read: Any, **filters: Any) -> list[Any]:
+        """All records of a paged ``client.read_*`` call (pages of 200)."""
+        records: list[Any] = []
+        while True:
+            page = await read(**filters, limit=200, offset=len(records))
+            records += page
+            if len(page) < 200:
+                return records
+
     async def query() -> list[str]:
         out: list[str] = []
         async with get_client() as client:
@@ -76,27 +86,10 @@ def _prefect_records(flow_name_like: str) -> list[str]:
             ids = [r.id for r in runs]
             out += [r.model_dump_json() for r in runs]
             frf = FlowRunFilter(id={"any_": ids})
-            offset = 0
-            while True:
-                page = await client.read_task_runs(flow_run_filter=frf, limit=200, offset=offset)
-                out += [t.model_dump_json() for t in page]
-                offset += len(page)
-                if len(page) < 200:
-                    break
-            offset = 0
-            while True:
-                logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)), limit=200, offset=offset)
-                out += [entry.model_dump_json() for entry in logs]
-                offset += len(logs)
-                if len(logs) < 200:
-                    break
-            offset = 0
-            while True:
-                arts = await client.read_artifacts(limit=200, offset=offset)
-                out += [a.model_dump_json() for a in arts if a.flow_run_id in ids]
-                offset += len(arts)
-                if len(arts) < 200:
-                    break
+            out += [t.model_dump_json() for t in await every_page(client.read_task_runs, flow_run_filter=frf)]
+            logs = await every_page(client.read_logs, log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+            out += [entry.model_dump_json() for entry in logs]
+            out += [a.model_dump_json() for a in await every_page(client.read_artifacts) if a.flow_run_id in ids]
         return out
 
     return asyncio.run(query())

@@ -32,6 +32,7 @@ import time
 import psutil
 import pytest
 
+from tests.fixtures.processes import alive
 from tests.scaleout.helpers import REPO, TINY_CONFIG, clean_env
 
 RUN_ID = "soak"
@@ -81,12 +82,6 @@ def _roles(driver: psutil.Process, known: dict[int, str]) -> dict[str, psutil.Pr
         out[role] = p
     return out
 
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _config(model_dir: str, root: str) -> dict:
@@ -230,7 +225,7 @@ def test_soak_50_steps(tmp_path, tiny_model_dir):
     assert report["actor_processes_left"] == [], report
     assert report["ray_processes_left"] == [], report
     deadline = time.monotonic() + 60  # the ephemeral Prefect server goes with the driver's exit
-    while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+    while any(alive(p) for p in spawned) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = [(p.pid, p.name()) for p in spawned if _alive(p)]
+    left = [(p.pid, p.name()) for p in spawned if alive(p)]
     assert not left, f"processes of the run left: {left}"
