@@ -2,7 +2,7 @@
 
 :class:`FlowSpans` wraps a few functions of the flow process with wall-clock counters while it
 is active (``with FlowSpans() as spans: grpo(...)``) and snapshots them at the start of every
-step (``run_one_step``) and at its end (after the ``apply_retention`` that closes it); a step's
+step (``flows.recovery.run_step``) and at its end (after the ``apply_retention`` that closes it); a step's
 seconds per component are the differences. The components are exclusive (none is counted
 inside another one), so ``other`` is the step wall time minus all of them (actor work and
 stage glue included; the benchmark subtracts the actor work recorded in ``metrics.jsonl``).
@@ -24,11 +24,12 @@ __all__ = ["COMPONENTS", "FlowSpans"]
 #: component -> what it covers (the table's rows, in order)
 COMPONENTS: dict[str, str] = {
     "prefect_task": "Prefect task machinery (task call minus the task function)",
+    "prefect_subflow": "step subflow machinery (grouping: subflow call minus its body)",
     "save": "save_batch (encode, write, commit)",
     "fsync": "  of which fsync (shards, manifest, directories; metrics file too)",
     "load": "load_batch (read manifest, map, verify, decode)",
     "commit_checks": "is_committed / read_manifest (stage idempotency checks)",
-    "probes": "actor health/version probes (ensure_policy / ensure_generation)",
+    "probes": "actor health/version probes (recovery planning only)",
     "checksum": "policy weights checksum after train",
     "metrics": "metrics.jsonl upsert + artifact hand-off",
 }
@@ -69,49 +70,56 @@ class FlowSpans:
         self._patch(owner, attr, lambda old: self._timed(name, old))
 
     def __enter__(self) -> FlowSpans:
+        import prefect.flow_engine as flow_engine
+        import prefect.flows
         import prefect.task_engine as engine
         import prefect.tasks
         import storage
 
         import flows.grpo as grpo
-        import nrl_tasks.stages.recovery as recovery
+        import flows.recovery as recovery
+        import flows.step as step
         from flows.artifacts import BackgroundPublisher
         from nrl_tasks.models.policy import lm_policy_refit
-        from nrl_tasks.stages import generate, logprob, train
+        from nrl_tasks.stages import health
 
         spans = self
 
-        def task_call(old: Any) -> Any:
-            @functools.wraps(old)
-            def call(task: Any, *args: Any, **kwargs: Any) -> Any:
-                body0 = spans.total["_body"]
-                t = time.perf_counter()
-                try:
-                    return old(task, *args, **kwargs)
-                finally:
-                    outer = time.perf_counter() - t
-                    spans.total["prefect_task"] += outer - (spans.total["_body"] - body0)
+        def machinery(name: str, body: str) -> Callable[[Any], Any]:
+            def wrap(old: Any) -> Any:
+                @functools.wraps(old)
+                def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                    body0 = spans.total[body]
+                    t = time.perf_counter()
+                    try:
+                        return old(obj, *args, **kwargs)
+                    finally:
+                        outer = time.perf_counter() - t
+                        spans.total[name] += outer - (spans.total[body] - body0)
 
-            return call
+                return call
+
+            return wrap
 
         def fsync(old: Any) -> Any:
             return self._timed("fsync", old)
 
-        self._patch(prefect.tasks.Task, "__call__", task_call)
+        self._patch(prefect.tasks.Task, "__call__", machinery("prefect_task", "_body"))
         self._time(engine, "call_with_parameters", "_body")
+        # the step subflow's own cost: its call minus its body (the tasks inside count as above)
+        self._patch(prefect.flows.Flow, "__call__", machinery("prefect_subflow", "_flow_body"))
+        self._time(flow_engine, "call_with_parameters", "_flow_body")
         self._patch(os, "fsync", fsync)
         self._time(storage, "save_batch", "save")
         self._time(storage, "load_batch", "load")
         self._time(storage, "is_committed", "commit_checks")
         self._time(storage, "read_manifest", "commit_checks")
-        for mod in (recovery, generate, logprob, train):
-            self._time(mod, "ensure_policy", "probes")
-            self._time(mod, "ensure_generation", "probes")
+        self._time(health, "probe_actors", "probes")
         self._time(lm_policy_refit.PolicyRefitMethods, "weights_checksum", "checksum")
-        self._time(grpo, "upsert_metrics", "metrics")
+        self._time(step, "upsert_metrics", "metrics")
         self._time(BackgroundPublisher, "submit", "metrics")
-        # a step: from the start of run_one_step to the end of the retention check that closes it
-        self._patch(grpo, "run_one_step", lambda old: self._marking(old, before=True))
+        # a step: from the start of run_step to the end of the retention check that closes it
+        self._patch(recovery, "run_step", lambda old: self._marking(old, before=True))
         self._patch(grpo, "apply_retention", lambda old: self._marking(old, before=False))
         return self
 

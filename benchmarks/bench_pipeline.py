@@ -71,7 +71,7 @@ def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]],
     """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
     from flows.grpo import grpo
     from flows.metrics import read_metrics
-    from flows.runtime import get_runtime, shutdown_runtime
+    from flows.runtime import setup_runtime
 
     run_id = f"bench-flow{tag}-{os.getpid()}"
     os.environ["NRL_KEEP_ACTORS"] = "1"
@@ -80,13 +80,53 @@ def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]],
             res = grpo(config=cfg, run_id=run_id)
     finally:
         os.environ.pop("NRL_KEEP_ACTORS", None)
-    rt = get_runtime(cfg, run_id)
+    rt = setup_runtime(cfg, run_id)  # attaches to the kept actors
     try:
         checksum = rt.policy.weights_checksum(as_sent=False)
     finally:
-        shutdown_runtime(run_id)
+        rt.shutdown()
     rows = read_metrics(res["metrics_uri"])
     return rows, checksum, res["step_wall_s"], spans.per_step()
+
+
+_BASELINE_DRIVER = """
+import json, os, sys
+from benchmarks._common import quiet_env
+quiet_env(prefect_home=sys.argv[1])
+from flows.config import load_config
+from flows.runtime import connect_ray
+from benchmarks.bench_pipeline import run_flow
+cfg = load_config(sys.argv[2], json.loads(sys.argv[3]))
+os.makedirs(cfg.storage.root, exist_ok=True)
+connect_ray(cfg)
+rows, checksum, wall, comps = run_flow(cfg, int(sys.argv[4]))
+print("BASELINE-JSON " + json.dumps({"wall": wall, "compute": [r.get("compute_s") for r in rows], "checksum": checksum}))
+"""
+
+
+def run_baseline(ref: str, config: str, overrides: list[str], steps: int, tmp: str) -> dict[str, Any]:
+    """The same flow run on the code of git ``ref`` (a temporary worktree, its own process and Ray):
+    ``{"wall": [step seconds], "compute": [actor seconds], "checksum"}``."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = os.path.join(tmp, f"baseline-{ref}")
+    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "-q", tree, ref], check=True)
+    try:
+        cfg_path = config if os.path.isabs(config) else os.path.join(repo, config)
+        env = {**os.environ, "PYTHONPATH": tree}
+        env.pop("PREFECT_HOME", None)
+        args = [os.path.join(tmp, "prefect-baseline"), cfg_path, json.dumps(overrides), str(steps)]
+        out = subprocess.run([sys.executable, "-c", _BASELINE_DRIVER, *args], cwd=tree, env=env, capture_output=True,
+                             text=True, timeout=1800)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BASELINE-JSON ")), None)
+        if line is None:
+            raise RuntimeError(f"baseline run at {ref} failed:\n{out.stderr[-3000:]}")
+        return json.loads(line.split(" ", 1)[1])
+    finally:
+        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
 
 
 def _ms(v: float | None) -> str:
@@ -121,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="3 steps of the tiny config (< ~60 s after start-up)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default="configs/grpo_tiny.yaml")
+    ap.add_argument(
+        "--baseline-ref", default=None,
+        help="also run the flow on the code of this git ref (e.g. the commit before a change) and compare",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 8)
@@ -139,6 +183,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         *args.overrides,
     ]
     cfg = load_config(args.config, overrides)
+    base = None
+    if args.baseline_ref:  # before anything of ours starts Ray: the baseline gets the machine alone
+        base_over = [o if not o.startswith("storage.root=") else f"storage.root={os.path.join(tmp, 'runs-baseline')}" for o in overrides]
+        base = run_baseline(args.baseline_ref, args.config, base_over, steps, tmp)
     os.makedirs(cfg.storage.root, exist_ok=True)
     connect_ray(cfg)
     mem_rows, mem_sum, _ = run_memory(cfg, steps)
@@ -179,6 +227,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     same = flow_sum == mem_sum == ns_sum
     print(f"\nfinal weights identical (flow fsync=true, flow fsync=false, loop): {same} ({flow_sum[:16]})")
+    if base is not None:
+        b_over = [w - c for w, c in list(zip(base["wall"], base["compute"]))[warm] if c is not None]
+        b_in = statistics.median(b_over)
+        print(f"\n### before and after: per-step orchestration overhead (step wall - actor work), ms\n")
+        print(f"| code | overhead ms/step | step wall s |\n|---|---:|---:|")
+        print(f"| baseline {args.baseline_ref} | {b_in * 1000:.1f} | {statistics.median(base['wall'][warm]):.4f} |")
+        print(f"| this tree | {in_run * 1000:.1f} | {flow_step:.4f} |")
+        sub = statistics.median(c["prefect_subflow"] for c in flow_comps[warm])
+        print(f"\nchange: {100 * (in_run - b_in) / b_in:+.1f}% ({(in_run - b_in) * 1000:+.1f} ms); of this tree's overhead the "
+              f"step subflow (grouping) costs {sub * 1000:.1f} ms per step")
+        print(f"baseline final weights identical to this tree's: {base['checksum'] == flow_sum}")
     return {
         "overhead": overhead, "flow_step_s": flow_step, "mem_step_s": mem_step, "identical": same,
         "flow_nofsync_step_s": ns_step,

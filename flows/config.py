@@ -27,7 +27,7 @@ from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
-from nrl_tasks.stages.recovery import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
+from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
 
 __all__ = [
     "CheckpointingConfig",

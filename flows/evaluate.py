@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 
 from flows.artifacts import publish_eval_table
 from flows.config import MasterConfig, load_config
-from flows.run_layout import RunLayout, join_uri
+from nrl_tasks.run_layout import RunLayout, join_uri
 from flows.run_state import check_storage_root, list_runs, saved_config_data
 
 __all__ = ["eval_sweep", "evaluate_checkpoint", "load_run_config"]
@@ -67,9 +67,12 @@ def evaluate_checkpoint(
     """Evaluate checkpoint ``checkpoint`` (e.g. ``step_000004``) of ``run_id``; returns its summary."""
     from nrl_tasks.stages.evaluate import evaluate
 
+    from flows.ray_session import connect_ray
+
     root = check_storage_root(storage or "./runs")
     cfg = load_run_config(run_id, root)
     recs = _records(cfg, run_id, dataset, max_prompts)
+    connect_ray(cfg)
     return evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
 
 
@@ -121,6 +124,7 @@ def eval_sweep(
     ``target``: a run id (looked up under ``storage``, default ``./runs``) or a storage prefix
     holding runs. Returns ``{"evaluated": [...], "skipped": [...], "rows": [...]}``.
     """
+    from flows.ray_session import connect_ray
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.evaluate import _eval_key, evaluate
 
@@ -146,6 +150,7 @@ def eval_sweep(
                 skipped.append(f"{run_id}/{name}")
                 continue
             recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
+            connect_ray(cfg)
             res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
             evaluated.append(f"{run_id}/{name}")
             logger.info("evaluated %s/%s: accuracy %s pass@k %s", run_id, name, res.get("eval_accuracy"), res.get("eval_pass_at_k"))

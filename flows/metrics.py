@@ -19,20 +19,16 @@ import json
 import math
 from typing import Any, Mapping
 
+from nrl_tasks.stages.graph import STAGES
+
 __all__ = ["build_step_metrics", "format_console_line", "read_metrics", "upsert_metrics"]
 
-#: stage name in the line ("<name>_s") -> dataset stage whose manifest holds ``seconds``
-STAGE_SECONDS = {
-    "prompts": "prompts",
-    "generate": "rollouts",
-    "score": "rewards",
-    "logprob": "logprobs",
-    "advantages": "advantages",
-    "train": "train",
-}
+#: stage name in the line ("<name>_s") -> dataset whose manifest holds ``seconds`` (the stage graph)
+STAGE_SECONDS = {s.name: s.output for s in STAGES}
 
-#: stage name in the line ("<name>_attempts") -> dataset stage whose task result holds ``attempts``
-STAGE_ATTEMPTS = {"generate": "rollouts", "logprob": "logprobs", "train": "train"}
+#: stage name in the line ("<name>_attempts") -> dataset whose reference holds ``attempts``: the
+#: stages retried on actor faults
+STAGE_ATTEMPTS = {s.name: s.output for s in STAGES if s.retried}
 
 
 def _fs():
@@ -117,8 +113,7 @@ def build_step_metrics(
     for name, stage in STAGE_SECONDS.items():
         s = get(stage, "seconds")
         row[f"{name}_s"] = s
-        if name != "prompts":  # drawn inside the generate task: its time is part of generate_s
-            total += s or 0.0
+        total += s or 0.0
     if refit is not None:
         row["refit_s"] = refit.get("seconds")
         total += refit.get("seconds") or 0.0

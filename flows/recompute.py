@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flows.run_layout import DATA_STAGES, RunLayout
 from flows.run_state import RECOMPUTE_ALIASES, trained_prefix
-from nrl_tasks.stages.recovery import DamagedRunError
+from nrl_tasks.run_layout import DATA_STAGES, RunLayout
+from nrl_tasks.stages import graph
+from nrl_tasks.stages.errors import DamagedRunError
 
 __all__ = [
     "DATASET_STAGE",
@@ -42,26 +43,13 @@ __all__ = [
     "resume_window",
 ]
 
-#: dataset name -> the ``--recompute`` stage that makes it
-DATASET_STAGE: dict[str, str] = {
-    "prompts": "prompts",
-    "rollouts": "generate",
-    "rewards": "score",
-    "logprobs": "logprob",
-    "advantages": "advantages",
-    "train": "train",
-}
+#: dataset name -> the ``--recompute`` stage that makes it (from the stage graph)
+DATASET_STAGE: dict[str, str] = dict(graph.DATASET_STAGE)
 
-#: ``--recompute`` stage -> its own dataset(s), for trained steps (nothing downstream)
+#: ``--recompute`` stage or dataset name -> its own dataset, for trained steps (nothing downstream)
 _OWN: dict[str, tuple[str, ...]] = {
-    "prompts": ("prompts",),
-    "generate": ("rollouts",),
-    "rollouts": ("rollouts",),
-    "score": ("rewards",),
-    "rewards": ("rewards",),
-    "logprob": ("logprobs",),
-    "logprobs": ("logprobs",),
-    "advantages": ("advantages",),
+    **{s.name: (s.output,) for s in graph.STAGES if s.name != "train"},
+    **{s.output: (s.output,) for s in graph.STAGES if s.name != "train"},
     "val": ("val",),
     "validate": ("val",),
 }

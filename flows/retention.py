@@ -34,7 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from flows.run_layout import DATA_STAGES, RunLayout, join_uri
+from nrl_tasks.run_layout import RunLayout, join_uri
+from nrl_tasks.stages.graph import STEP_INPUTS
 
 __all__ = [
     "PRUNABLE_STAGES",
@@ -47,7 +48,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Datasets of a step that retention may delete (``train`` and ``val`` are always kept).
-PRUNABLE_STAGES: tuple[str, ...] = tuple(s for s in DATA_STAGES if s != "train")
+PRUNABLE_STAGES: tuple[str, ...] = STEP_INPUTS
 
 
 @dataclass(frozen=True)

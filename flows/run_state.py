@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, saved_config_hash
-from flows.run_layout import DATA_STAGES, RunLayout, join_uri, parse_step_dir
+from nrl_tasks.run_layout import RunLayout, parse_step_dir
+from nrl_tasks.stages.graph import STAGES, dependants
 
 __all__ = [
     "RECOMPUTE_ALIASES",
-    "apply_recompute",
     "check_storage_root",
     "init_run",
     "list_runs",
@@ -161,17 +161,11 @@ def trained_prefix(layout: RunLayout, max_step: int | None = None, storage_optio
     return k
 
 
-#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step.
+#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step: the
+#: stage's output and everything that reads it (from the stage graph).
 RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = {
-    "prompts": DATA_STAGES,
-    "generate": ("rollouts", "rewards", "logprobs", "advantages", "train"),
-    "rollouts": ("rollouts", "rewards", "logprobs", "advantages", "train"),
-    "score": ("rewards", "advantages", "train"),
-    "rewards": ("rewards", "advantages", "train"),
-    "logprob": ("logprobs", "train"),
-    "logprobs": ("logprobs", "train"),
-    "advantages": ("advantages", "train"),
-    "train": ("train",),
+    **{s.name: dependants(s.name) for s in STAGES},
+    **{s.output: dependants(s.name) for s in STAGES},
     "val": ("val",),
     "validate": ("val",),
 }
@@ -188,30 +182,6 @@ def parse_recompute(specs: list[str] | None) -> list[tuple[str, int]]:
             )
         out.append((stage, int(step)))
     return out
-
-
-def apply_recompute(layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Delete the outputs that ``specs`` invalidate (that stage and its dependants in the step).
-
-    Later steps are kept: the recomputed stage reproduces its data deterministically, and the
-    resumed flow replays their committed ``train`` stages, verifying the recorded weights
-    checksums (a mismatch is a clear error). Returns the deleted URIs.
-    """
-    import storage
-
-    from flows.metrics import drop_metrics_after
-
-    kw = {"storage_options": storage_options} if storage_options else {}
-    deleted = []
-    for stage, step in specs:
-        for ds in RECOMPUTE_ALIASES[stage]:
-            uri = layout.stage_uri(step, ds)
-            if _fs().exists(uri, storage_options=storage_options):
-                storage.delete_batch(uri, **kw)
-                deleted.append(uri)
-    if specs:
-        drop_metrics_after(layout.metrics_uri, min(s for _, s in specs), storage_options)
-    return deleted
 
 
 def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -258,10 +228,6 @@ def existing_steps(layout: RunLayout, storage_options: dict[str, Any] | None = N
     return sorted(s for s in steps if s is not None)
 
 
-def remove_uri(uri: str, storage_options: dict[str, Any] | None = None) -> None:
-    _fs().remove(uri, recursive=True, storage_options=storage_options)
-
-
 def saved_config_data(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The saved ``config.yaml`` of a run as a dict, storage section replaced by ``root``.
 
@@ -277,7 +243,3 @@ def saved_config_data(run_id: str, root: str, storage_options: dict[str, Any] | 
     data.pop("config_hash", None)
     data["storage"] = {**(data.get("storage") or {}), "root": root, "storage_options": storage_options or {}}
     return data
-
-
-def data_uri(layout: RunLayout, split: str) -> str:
-    return join_uri(layout.run_uri, "data", split)

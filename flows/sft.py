@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 from prefect import flow, get_run_logger, task
+from prefect.utilities.annotations import quote
 
 from flows.config import MasterConfig
 from flows.grpo import new_run_id, resolve_config
-from flows.run_layout import RunLayout, validate_run_id
-from flows.runtime import Runtime, connect_ray, get_runtime, load_tokenizer, namespace_for, register_runtime, shutdown_runtime
-from nrl_tasks.stages.common import TASK_DEFAULTS
+from flows.runtime import build_run_context, setup_runtime
+from nrl_tasks.run_layout import RunLayout, validate_run_id
+from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.runner import TASK_DEFAULTS
 
 __all__ = ["build_sft_batch", "sft"]
 
@@ -49,19 +51,19 @@ def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any
     )
 
 
-@task(name="sft-train", task_run_name="sft-{run_id}-step{step}", **TASK_DEFAULTS)
-def sft_step(cfg: MasterConfig, run_id: str, step: int, batch_size: int, seed: int) -> dict[str, float]:
+@task(name="sft-train", task_run_name="sft-{run.run_id}-step{step}", **TASK_DEFAULTS)
+def sft_step(run: RunContext, step: int, batch_size: int, seed: int) -> dict[str, float]:
     """One NLL update on the records of ``step``."""
     from nrl_tasks.algorithms.loss_functions import NLLLossFn
     from nrl_tasks.stages.data import step_record_indices
     from nrl_tasks.stages.train import train_metrics
 
-    rt = get_runtime(cfg, run_id)
-    recs = rt.train_records()
+    cfg = run.cfg
+    recs = run.records("train")
     idx = step_record_indices(num_records=len(recs), step=step, num_prompts=batch_size, seed=seed, shuffle=True)
-    data = build_sft_batch([recs[i] for i in idx], rt.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    data = build_sft_batch([recs[i] for i in idx], run.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
     t = time.perf_counter()
-    res = rt.policy.train(data, NLLLossFn(), gbs=batch_size, mbs=min(cfg.policy.train_micro_batch_size, batch_size))
+    res = run.policy.train(data, NLLLossFn(), gbs=batch_size, mbs=min(cfg.policy.train_micro_batch_size, batch_size))
     m = train_metrics(res)
     return {"step": step, "loss": m.get("loss"), "seconds": time.perf_counter() - t}
 
@@ -86,23 +88,22 @@ def sft(
     cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
     layout = RunLayout(cfg.storage.root, run_id)
-    connect_ray(cfg)
-    rt = Runtime(cfg=cfg, run_id=run_id, layout=layout, namespace=namespace_for(run_id), tokenizer=load_tokenizer(cfg))
+    rt = setup_runtime(cfg, run_id, with_actors=False)
     rt.start_policy()
-    register_runtime(rt)
+    run = build_run_context(cfg, run_id, rt, rt.tokenizer)
     losses = []
     try:
         seed = cfg.grpo.seed + 1_000_003  # a draw independent of the GRPO run's
         for step in range(1, num_steps + 1):
-            out = sft_step(cfg, run_id, step, batch_size, seed)
+            out = sft_step(quote(run), step, batch_size, seed)
             losses.append(out["loss"])
             if step % 10 == 0 or step == num_steps:
                 logger.info("sft step %d/%d loss %.4f", step, num_steps, out["loss"])
         uri = layout.checkpoint_uri(num_steps)
         save_checkpoint(
             rt.policy, uri, {"run_id": run_id, "step": num_steps, "weights_version": rt.policy.weights_version, "kind": "sft"},
-            save_optimizer=False, storage_options=rt.storage_options,
+            save_optimizer=False, storage_options=run.storage_options,
         )
     finally:
-        shutdown_runtime(run_id)
+        rt.shutdown()
     return {"run_id": run_id, "checkpoint": uri, "weights": f"{uri}/weights", "losses": losses}

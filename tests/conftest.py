@@ -21,6 +21,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("RAY_ADDRESS", None)
+# The fault suites' plug-in (inert unless a fault variable is set), for this process and every flow
+# process the tests start (CLI, Prefect workers): they find the tests package on PYTHONPATH.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["NRL_PLUGINS"] = "tests.faults.injection"
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 pytest_plugins = [
     "tests.fixtures.ray_env",

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from prefect import task
+
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.refs import DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
 __all__ = ["advantages", "compute_advantages"]
 
@@ -34,29 +37,15 @@ def compute_advantages(group_id: torch.Tensor, rewards: torch.Tensor, valid: tor
     return BatchedDataDict({"advantages": adv.to(torch.float32), "sample_mask": valid.to(torch.float32)})
 
 
-@stage_task(name="advantages", task_run_name="advantages-{run_id}-step{step}", **TASK_DEFAULTS)
-def advantages(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
+@task(name="advantages", task_run_name="advantages-{ctx.run_id}-step{ctx.step}", tags=["stage:advantages"], **TASK_DEFAULTS)
+def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef) -> DatasetRef:
     """GRPO advantages of the step; persist ``advantages``."""
-    import storage
-    from flows.runtime import get_runtime
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, "advantages")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return done
-    fault_point("advantages", step, "before")
-    timer = StageTimer()
-    rollouts = storage.load_batch(rt.layout.stage_uri(step, "rollouts"), **rt.storage_kw)
-    rewards = storage.load_batch(rt.layout.stage_uri(step, "rewards"), **rt.storage_kw)
-    out = compute_advantages(rollouts["group_id"], rewards["rewards"], rewards["reward_valid"], cfg.grpo)
-    fault_point("advantages", step, "during")
-    groups = rollouts["group_id"]
-    r = rewards["rewards"]
-    mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
-    res = save_output(
-        out, uri, run_id=run_id, step=step, stage="advantages", weights_version=None,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
-        groups_with_signal=mixed, advantage_abs_mean=float(out["advantages"].abs().mean()),
-    )
-    fault_point("advantages", step, "after")
-    return res
+    def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        groups = inputs["rollouts"]["group_id"]
+        r, valid = inputs["rewards"]["rewards"], inputs["rewards"]["reward_valid"]
+        out = compute_advantages(groups, r, valid, ctx.cfg.grpo)
+        mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
+        return out, {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].abs().mean())}
+
+    return run_stage(ctx, "advantages", compute, inputs={"rollouts": rollouts, "rewards": rewards})

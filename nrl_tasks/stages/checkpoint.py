@@ -26,9 +26,14 @@ import time
 import uuid
 from typing import Any
 
-from nrl_tasks.stages.common import TASK_DEFAULTS, stage_task
-from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
+from collections.abc import Callable
+
+from prefect import task
+
+from nrl_tasks.run_layout import join_uri, parse_step_dir
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.refs import ActionResult, DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
 
 __all__ = [
     "COMMIT_FILE",
@@ -59,21 +64,15 @@ def _local(uri: str) -> str:
 
 
 def is_checkpoint_committed(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
-    from flows.run_layout import join_uri
-
     return bool(_fs().exists(join_uri(uri, COMMIT_FILE), storage_options=storage_options))
 
 
 def read_checkpoint_info(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    from flows.run_layout import join_uri
-
     return json.loads(_fs().read_text(join_uri(uri, COMMIT_FILE), storage_options=storage_options))
 
 
 def list_checkpoints(checkpoints_uri: str, storage_options: dict[str, Any] | None = None) -> list[tuple[int, str]]:
     """``[(step, uri)]`` of the committed checkpoints under ``checkpoints_uri``, by step."""
-    from flows.run_layout import join_uri, parse_step_dir
-
     fs = _fs()
     if not fs.exists(checkpoints_uri, storage_options=storage_options):
         return []
@@ -103,7 +102,7 @@ def _worker_storage_options(storage_options: dict[str, Any] | None) -> dict[str,
 
 def _save_to_s3(
     policy: Any, uri: str, body: str, *, save_optimizer: bool, storage_options: dict[str, Any] | None,
-    step_for_faults: int | None,
+    on_written: Callable[[], None] | None,
 ) -> None:
     fs = _fs()
     commit = f"{uri.rstrip('/')}/{COMMIT_FILE}"
@@ -116,8 +115,8 @@ def _save_to_s3(
         tokenizer_path=f"{uri.rstrip('/')}/weights",  # weights/ is a complete HF folder
         storage_options=_worker_storage_options(storage_options),
     )
-    if step_for_faults is not None:
-        fault_point("checkpoint", step_for_faults, "during")
+    if on_written is not None:
+        on_written()
     fs.write_text_atomic(commit, body, storage_options=storage_options)
 
 
@@ -128,16 +127,17 @@ def save_checkpoint(
     *,
     save_optimizer: bool = True,
     storage_options: dict[str, Any] | None = None,
-    step_for_faults: int | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Write a committed checkpoint of ``policy`` at ``uri`` (see module docstring)."""
+    """Write a committed checkpoint of ``policy`` at ``uri`` (see module docstring); ``on_written()``
+    runs once the files are written, before the commit."""
     t0 = time.perf_counter()
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     if _is_s3(uri):
         body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
         _save_to_s3(
             policy, uri, body, save_optimizer=save_optimizer, storage_options=storage_options,
-            step_for_faults=step_for_faults,
+            on_written=on_written,
         )
         return {"uri": uri, "seconds": time.perf_counter() - t0, **info}
     target = os.path.abspath(_local(uri))
@@ -150,8 +150,8 @@ def save_checkpoint(
             optimizer_path=os.path.join(staging, "optimizer") if save_optimizer else None,
             tokenizer_path=os.path.join(staging, "weights"),  # weights/ is a complete HF folder
         )
-        if step_for_faults is not None:
-            fault_point("checkpoint", step_for_faults, "during")
+        if on_written is not None:
+            on_written()
         body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
         with open(os.path.join(staging, COMMIT_FILE), "w", encoding="utf-8") as fh:
             fh.write(body)
@@ -201,33 +201,34 @@ def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | 
     return info
 
 
-@stage_task(name="checkpoint", task_run_name="checkpoint-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
-def checkpoint(cfg: Any, run_id: str, step: int, config_hash: str) -> dict[str, Any]:
-    """Checkpoint the policy after ``train`` of ``step`` (idempotent: an existing commit is kept)."""
-    from flows.runtime import get_runtime
+@task(name="checkpoint", task_run_name="checkpoint-{ctx.run_id}-step{ctx.step}", tags=["stage:checkpoint"], **TASK_DEFAULTS)
+def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> ActionResult:
+    """Checkpoint the policy after ``trained`` (the step's ``train``; idempotent: a commit is kept)."""
+    run, step = ctx.run, ctx.step
+    uri = run.layout.checkpoint_uri(step)
+    if is_checkpoint_committed(uri, run.storage_options):
+        info = read_checkpoint_info(uri, run.storage_options)
+        done = run.attempts.get((step, "checkpoint"), 0)
+        return ActionResult("checkpoint", step, info.get("weights_version"), skipped=True, attempts=done, uri=uri, info=info)
+    with stage_failures(ctx, "checkpoint") as attempt:
+        ctx.emit("checkpoint", "start")
+        version = run.policy.weights_version
+        if version != trained.weights_version:
+            from nrl_tasks.stages.errors import StalePolicyError
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.checkpoint_uri(step)
-    if is_checkpoint_committed(uri, rt.storage_options):
-        info = read_checkpoint_info(uri, rt.storage_options)
-        return {"uri": uri, "skipped": True, **info, "attempts": stage_attempts(skipped=True)}
-    fault_point("checkpoint", step, "before")
-    ensure_policy(rt, cfg, step)  # a dead worker is re-created and restored first
-    version = rt.policy.weights_version
-    if version != step:
-        raise RuntimeError(f"checkpoint of step {step}: the policy holds weights version {version}")
-    arm_actor_kill("policy", "checkpoint", step, rt.policy.worker_group.workers)
-    info = {
-        "run_id": run_id,
-        "step": step,
-        "weights_version": version,
-        "config_hash": config_hash,
-        "data_cursor": step,
-        "model_name": cfg.policy.model_name,
-    }
-    out = save_checkpoint(
-        rt.policy, uri, info, save_optimizer=cfg.checkpointing.save_optimizer,
-        storage_options=rt.storage_options, step_for_faults=step,
-    )
-    fault_point("checkpoint", step, "after")
-    return {**out, "attempts": stage_attempts()}
+            raise StalePolicyError(f"checkpoint of step {step}: the policy holds weights version {version}")
+        ctx.actor_call("checkpoint", "policy", run.policy.worker_group.workers)
+        info = {
+            "run_id": run.run_id,
+            "step": step,
+            "weights_version": version,
+            "config_hash": config_hash,
+            "data_cursor": step,
+            "model_name": ctx.cfg.policy.model_name,
+        }
+        out = save_checkpoint(
+            run.policy, uri, info, save_optimizer=ctx.cfg.checkpointing.save_optimizer,
+            storage_options=run.storage_options, on_written=lambda: ctx.emit("checkpoint", "computed"),
+        )
+        ctx.emit("checkpoint", "committed")
+    return ActionResult("checkpoint", step, version, seconds=out["seconds"], attempts=attempt, uri=uri, info=info)

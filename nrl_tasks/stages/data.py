@@ -35,6 +35,7 @@ __all__ = [
     "load_prompt_file",
     "load_prompt_records",
     "step_record_indices",
+    "snapshot_records",
     "tokenize_prompts",
 ]
 
@@ -309,3 +310,28 @@ def records_columns(records: Iterable[dict[str, str]]) -> dict[str, list[str]]:
     """``{"prompt": [...], "answer": [...]}`` from records."""
     records = list(records)
     return {"prompt": [r["prompt"] for r in records], "answer": [r["answer"] for r in records]}
+
+
+def snapshot_records(
+    layout: Any, cfg: Any, split: str, tokenizer: Any = None, storage_options: dict[str, Any] | None = None
+) -> list[dict[str, str]]:
+    """The run's frozen copy of prompt split ``split`` at ``<run>/data/<split>``: read back when
+    committed, else loaded from the configured source, checked (over-long prompts: one clear error
+    now, not at step k, when a ``tokenizer`` is given) and saved."""
+    import storage
+
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+    from nrl_tasks.run_layout import join_uri
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    uri = join_uri(layout.run_uri, "data", split)
+    if storage.is_committed(uri, **kw):
+        b = storage.load_batch(uri, **kw)
+        return [{"prompt": p, "answer": a} for p, a in zip(b["prompt"], b["answer"])]
+    recs = load_prompt_records(cfg.data, split, cfg.grpo.seed, storage_options)
+    if tokenizer is not None:
+        src = getattr(cfg.data, f"{split}_path", None) or f"{cfg.data.dataset} {split} split"
+        check_prompt_lengths(recs, cfg.data, tokenizer, cfg.max_prompt_tokens(), source=src)
+    batch = BatchedDataDict({"prompt": [r["prompt"] for r in recs], "answer": [r["answer"] for r in recs]})
+    storage.save_batch(batch, uri, **kw, run_id=layout.run_id, stage=f"data-{split}", step=0)
+    return recs

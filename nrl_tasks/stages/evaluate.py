@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from prefect import task
+
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
-from nrl_tasks.stages.faults import fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
+from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.refs import ActionResult, DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, StageTimer, committed_ref, run_stage, save_output
 
 __all__ = ["evaluate", "evaluate_records", "summarize_eval", "validate"]
 
@@ -116,32 +119,25 @@ def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
     return out
 
 
-@stage_task(name="validate", task_run_name="validate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
-def validate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
-    """Greedy evaluation on the validation prompts with the generation workers' current weights;
+@task(name="validate", task_run_name="validate-{ctx.run_id}-step{ctx.step}", tags=["stage:validate"], **TASK_DEFAULTS)
+def validate(ctx: StepContext, refit: ActionResult | None, weights_version: int) -> DatasetRef:
+    """Greedy evaluation on the validation prompts with the generation workers at
+    ``weights_version`` (the ``refit`` result that brought them there; ``None`` before training);
     persist ``val`` under the step (``step`` 0: before training)."""
-    from flows.runtime import get_runtime
+    cfg = ctx.cfg
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, "val")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return {**done, "attempts": stage_attempts(skipped=True)}
-    fault_point("validate", step, "before")
-    timer = StageTimer()
-    ensure_generation(rt, cfg, weights_version)
-    records = rt.val_records()[: cfg.grpo.max_val_samples]
-    samples = evaluate_records(
-        rt.generation, rt.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,
-        max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.grpo.seed, step=step, num_samples=0,
-        weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=rt.reward_model,
-    )
-    summary = summarize_eval(samples)
-    out = save_output(
-        samples, uri, run_id=run_id, step=step, stage="val", weights_version=weights_version,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
-        val_accuracy=summary.get("accuracy"), val_num_prompts=summary.get("num_prompts"),
-    )
-    return {**out, "attempts": stage_attempts()}
+    def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        records = ctx.run.records("val")[: cfg.grpo.max_val_samples]
+        ctx.actor_call("validate", "generation", ctx.generation.workers)
+        samples = evaluate_records(
+            ctx.generation, ctx.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,
+            max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.grpo.seed, step=ctx.step, num_samples=0,
+            weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=ctx.run.reward_model,
+        )
+        summary = summarize_eval(samples)
+        return samples, {"val_accuracy": summary.get("accuracy"), "val_num_prompts": summary.get("num_prompts")}
+
+    return run_stage(ctx, "validate", compute, output="val", weights_version=weights_version)
 
 
 def _eval_key(dataset: str | None) -> str:
@@ -155,7 +151,7 @@ def _eval_key(dataset: str | None) -> str:
     return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
 
 
-@stage_task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
+@task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", tags=["stage:evaluate"], **TASK_DEFAULTS)
 def evaluate(
     cfg: Any,
     run_id: str,
@@ -168,11 +164,9 @@ def evaluate(
     """Evaluate one committed checkpoint: fresh generation workers load its weights, answer
     ``records`` greedily and with ``num_samples`` samples, rewards are scored; the samples are
     persisted at ``<run>/evals/<checkpoint>/<dataset-key>/`` with the summary in the manifest.
-    Idempotent: a committed evaluation is returned as is."""
+    Idempotent: a committed evaluation is returned as is. Ray must be connected (the flow does it)."""
     import shutil
 
-    from flows.run_layout import RunLayout, join_uri, parse_step_dir
-    from flows.runtime import connect_ray, namespace_for
     from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
     from nrl_tasks.models.generation.hf_generation import HfGeneration
     from nrl_tasks.stages.checkpoint import local_checkpoint_dir, read_checkpoint_info
@@ -180,15 +174,14 @@ def evaluate(
     opts = cfg.storage.storage_options or None
     layout = RunLayout(cfg.storage.root, run_id)
     uri = join_uri(layout.eval_uri(checkpoint), _eval_key(dataset))
-    if (done := committed(uri, opts)) is not None:
-        return {**done, "checkpoint": checkpoint, "skipped": True}
+    if (done := committed_ref(uri, opts)) is not None:
+        return {**done.summary(), "checkpoint": checkpoint, "skipped": True}
     timer = StageTimer()
     ck_uri = join_uri(layout.checkpoints_uri, checkpoint)
     info = read_checkpoint_info(ck_uri, opts)
     local, temporary = local_checkpoint_dir(ck_uri, opts)
-    connect_ray(cfg)
     gen_cfg = cfg.gen.model_copy(update={"model_name": os.path.join(local, "weights")})
-    ns = namespace_for(run_id) + "-eval"
+    ns = layout.namespace + "-eval"
     cluster = RayVirtualCluster(
         [gen_cfg.num_workers], name=f"{run_id}-eval-{checkpoint}", namespace=ns,
         num_cpus_per_bundle=gen_cfg.num_cpus_per_worker,
@@ -218,4 +211,4 @@ def evaluate(
         storage_options=opts, seconds=timer.total(), checkpoint=checkpoint, dataset=dataset or "val",
         **{f"eval_{k}": v for k, v in summary.items()},
     )
-    return {**out, "checkpoint": checkpoint, "skipped": False}
+    return {**out.summary(), "checkpoint": checkpoint, "skipped": False}

@@ -1,4 +1,4 @@
-"""``generate`` stage: draw the step's prompts (persisted as ``prompts``), sample the rollouts.
+"""``prompts`` and ``generate`` stages: draw the step's prompts, sample the rollouts.
 
 Rollout batch columns (``B = num_prompts * num_generations``, rows of a group adjacent):
 
@@ -20,17 +20,19 @@ from typing import Any
 
 import torch
 
+from prefect import task
+
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
+from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
-from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_generation, stage_attempts
+from nrl_tasks.stages.refs import DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
 __all__ = [
     "build_prompt_batch",
     "decode_responses",
-    "ensure_prompts",
     "generate",
+    "generation_input",
     "prompts",
     "rollouts_from_generation",
     "sample_seeds",
@@ -121,83 +123,48 @@ def generation_input(prompt_batch: BatchedDataDict) -> BatchedDataDict:
     )
 
 
-def ensure_prompts(cfg: Any, rt: Any, step: int) -> dict[str, Any]:
-    """Draw and tokenise the step's prompts and persist them as ``prompts`` (idempotent).
+@task(name="prompts", task_run_name="prompts-{ctx.run_id}-step{ctx.step}", tags=["stage:prompts"], **TASK_DEFAULTS)
+def prompts(ctx: StepContext) -> DatasetRef:
+    """Draw and tokenise the step's prompts from the run's train snapshot; persist ``prompts``."""
+    cfg = ctx.cfg
 
-    Runs inside the ``generate`` task (one Prefect task less per step); its dataset is still
-    the record of what the step was asked."""
-    uri = rt.layout.stage_uri(step, "prompts")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return done
-    fault_point("prompts", step, "before")
-    timer = StageTimer()
-    batch = build_prompt_batch(
-        rt.train_records(),
-        step=step,
-        num_prompts=cfg.grpo.num_prompts_per_step,
-        num_generations=cfg.grpo.num_generations_per_prompt,
-        seed=cfg.grpo.seed,
-        data_cfg=cfg.data,
-        tokenizer=rt.tokenizer,
-        max_prompt_tokens=cfg.max_prompt_tokens(),
-    )
-    fault_point("prompts", step, "during")
-    out = save_output(
-        batch, uri, run_id=rt.run_id, step=step, stage="prompts", weights_version=None,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
-    )
-    fault_point("prompts", step, "after")
-    out["batch"] = batch
-    return out
+    def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        batch = build_prompt_batch(
+            ctx.run.records("train"),
+            step=ctx.step,
+            num_prompts=cfg.grpo.num_prompts_per_step,
+            num_generations=cfg.grpo.num_generations_per_prompt,
+            seed=cfg.grpo.seed,
+            data_cfg=cfg.data,
+            tokenizer=ctx.tokenizer,
+            max_prompt_tokens=cfg.max_prompt_tokens(),
+        )
+        return batch, {}
+
+    return run_stage(ctx, "prompts", compute)
 
 
-@stage_task(name="prompts", task_run_name="prompts-{run_id}-step{step}", **TASK_DEFAULTS)
-def prompts(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
-    """The ``prompts`` dataset of a step as its own task (the flow lets ``generate`` do it)."""
-    from flows.runtime import get_runtime
-
-    out = ensure_prompts(cfg, get_runtime(cfg, run_id), step)
-    out.pop("batch", None)
-    return out
-
-
-@stage_task(name="generate", task_run_name="generate-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
-def generate(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
+@task(name="generate", task_run_name="generate-{ctx.run_id}-step{ctx.step}", tags=["stage:generate"], **TASK_DEFAULTS)
+def generate(ctx: StepContext, prompts: DatasetRef, weights_version: int) -> DatasetRef:
     """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
 
-    Retried on actor faults: dead or stuck generation workers are re-created and fully refitted
-    to ``weights_version`` first; the per-sample seeds come from the persisted prompts, so the
-    regenerated rollouts are the ones the first attempt would have produced.
+    The generation workers must hold exactly ``weights_version`` (``StaleWeightsError`` otherwise:
+    an actor fault the flow recovers from with a full refit). The per-sample seeds come from the
+    persisted prompts, so a regenerated step gives the rollouts the first attempt would have.
     """
-    import storage
-    from flows.runtime import get_runtime
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, "rollouts")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return {**done, "attempts": stage_attempts(skipped=True)}
-    fault_point("generate", step, "before")
-    timer = StageTimer()
-    with timer.phase("recover"):
-        recovery = ensure_generation(rt, cfg, weights_version)
-    with timer.phase("load"):
-        pm = ensure_prompts(cfg, rt, step)
-        prompt_batch = pm.pop("batch", None)
-        if prompt_batch is None:
-            prompt_batch = storage.load_batch(rt.layout.stage_uri(step, "prompts"), **rt.storage_kw)
-    arm_actor_kill("generation", "generate", step, rt.generation.workers)
-    with timer.phase("generate"):
-        gen_out = rt.generation.generate(generation_input(prompt_batch), greedy=False, weights_version=weights_version)
-    fault_point("generate", step, "during")
-    rollouts = rollouts_from_generation(prompt_batch, gen_out, rt.tokenizer)
-    new_tokens = int(rollouts["generation_lengths"].sum())
-    gen_s = timer.seconds["generate"]
-    out = save_output(
-        rollouts, uri, run_id=run_id, step=step, stage="rollouts", weights_version=weights_version,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(), generate_seconds=gen_s,
-        new_tokens=new_tokens, tokens_per_s=new_tokens / max(gen_s, 1e-9), prompts_seconds=pm.get("seconds"),
-        truncated_frac=float(rollouts["truncated"].float().mean()),
-        recovered=bool(recovery["recreated"] or recovery["refit"]),
-    )
-    fault_point("generate", step, "after")
-    return {**out, "attempts": stage_attempts()}
+    def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        prompt_batch = inputs["prompts"]
+        gen = ctx.generation
+        ctx.actor_call("generate", "generation", gen.workers)
+        with timer.phase("generate"):
+            gen_out = gen.generate(generation_input(prompt_batch), greedy=False, weights_version=weights_version)
+        rollouts = rollouts_from_generation(prompt_batch, gen_out, ctx.tokenizer)
+        new_tokens = int(rollouts["generation_lengths"].sum())
+        gen_s = timer.seconds["generate"]
+        return rollouts, {
+            "generate_seconds": gen_s, "new_tokens": new_tokens, "tokens_per_s": new_tokens / max(gen_s, 1e-9),
+            "prompts_seconds": prompts.seconds, "truncated_frac": float(rollouts["truncated"].float().mean()),
+        }
+
+    return run_stage(ctx, "generate", compute, inputs={"prompts": prompts}, weights_version=weights_version)

@@ -12,12 +12,15 @@ from typing import Any
 
 import torch
 
-from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
-from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
+from prefect import task
 
-__all__ = ["compute_logprobs", "logprob"]
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.errors import StalePolicyError
+from nrl_tasks.stages.refs import DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+
+__all__ = ["check_policy_version", "compute_logprobs", "logprob"]
 
 
 def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:
@@ -31,30 +34,25 @@ def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: 
     return BatchedDataDict({"prev_logprobs": prev, "reference_policy_logprobs": ref})
 
 
-@stage_task(name="logprob", task_run_name="logprob-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
-def logprob(cfg: Any, run_id: str, step: int, weights_version: int) -> dict[str, Any]:
-    """Policy + reference logprobs of the step's rollouts (policy at ``weights_version``, restored
-    first if its actors died); persist ``logprobs``."""
-    import storage
-    from flows.runtime import get_runtime
+def check_policy_version(policy: Any, version: int, what: str) -> None:
+    """``StalePolicyError`` unless the policy reports weights version ``version``."""
+    have = policy.weights_version
+    if have != version:
+        raise StalePolicyError(f"{what} needs the policy at weights version {version}, it holds {have}")
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, "logprobs")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return {**done, "attempts": stage_attempts(skipped=True)}
-    fault_point("logprob", step, "before")
-    timer = StageTimer()
-    ensure_policy(rt, cfg, weights_version)
-    rollouts = storage.load_batch(rt.layout.stage_uri(step, "rollouts"), **rt.storage_kw)
-    arm_actor_kill("policy", "logprob", step, rt.policy.worker_group.workers)
-    with timer.phase("compute"):
-        out = compute_logprobs(rt.policy, rollouts, need_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
-    fault_point("logprob", step, "during")
-    tokens = int(rollouts["input_lengths"].sum())
-    res = save_output(
-        out, uri, run_id=run_id, step=step, stage="logprobs", weights_version=weights_version,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
-        tokens_per_s=tokens / max(timer.seconds["compute"], 1e-9), compute_seconds=timer.seconds["compute"],
-    )
-    fault_point("logprob", step, "after")
-    return {**res, "attempts": stage_attempts()}
+
+@task(name="logprob", task_run_name="logprob-{ctx.run_id}-step{ctx.step}", tags=["stage:logprob"], **TASK_DEFAULTS)
+def logprob(ctx: StepContext, rollouts: DatasetRef, weights_version: int) -> DatasetRef:
+    """Policy + reference logprobs of the step's rollouts (policy at ``weights_version``); persist ``logprobs``."""
+
+    def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        batch = inputs["rollouts"]
+        policy = ctx.policy
+        check_policy_version(policy, weights_version, f"logprob of step {ctx.step}")
+        ctx.actor_call("logprob", "policy", policy.worker_group.workers)
+        with timer.phase("compute"):
+            out = compute_logprobs(policy, batch, need_reference=ctx.cfg.loss_fn.reference_policy_kl_penalty > 0)
+        tokens = int(batch["input_lengths"].sum())
+        return out, {"tokens_per_s": tokens / max(timer.seconds["compute"], 1e-9), "compute_seconds": timer.seconds["compute"]}
+
+    return run_stage(ctx, "logprob", compute, inputs={"rollouts": rollouts}, weights_version=weights_version)

@@ -26,27 +26,28 @@ version (last checkpoint + replay of the persisted train stages); the new attemp
 new communicator on a fresh port. The result lists the failed attempts (``failed_attempts``:
 error and the workers' state after the abort).
 
-Test hook: ``NRL_FAULT_REFIT_PARTIAL=STEP[,STEP...]`` makes the first attempt of the refit at
-``STEP`` (in this process) fail mid-stream: the driver itself produces the first packed chunk of
-a stream (zeros) and then drops the group, so the workers receive part of the bytes and fail.
+The task itself does not retry: a failed refit fails the step, and the flow re-plans (re-creating
+a dead or stuck worker on either side, restoring the producer if needed) and runs the step again
+under ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s`` (:mod:`flows.recovery`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 
-from nrl_tasks.stages.common import TASK_DEFAULTS, stage_task
-from nrl_tasks.stages.faults import arm_actor_kill, fault_point
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.refs import ActionResult, DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
 
 __all__ = ["RefitFailedError", "abort_refit", "refit", "refit_weights"]
 
-PARTIAL_ENV = "NRL_FAULT_REFIT_PARTIAL"
-_INJECTED: set[int] = set()
+#: ``(role, workers)`` -> None: told right before the broadcast calls into each side
+ActorCallHook = Callable[[str, Sequence[Any]], None]
 
 
 class RefitFailedError(RuntimeError):
@@ -72,51 +73,6 @@ def _node_ip() -> str:
         return get_node_ip()
     except Exception:  # noqa: BLE001 - no routable address: single machine
         return "127.0.0.1"
-
-
-def _inject_partial_stream(generation: Any, info: dict[str, Any], version: int, deadline: float) -> None:
-    """Driver-side rogue producer: send the first chunk of a stream, then drop the group."""
-    import torch
-
-    from nrl_tasks.utils.collective import create_broadcast_group, find_free_port
-    from nrl_tasks.utils.packed_tensor import packed_broadcast_producer
-    from nrl_tasks.utils.refit import RefitInfo, refit_fingerprint
-
-    parsed = RefitInfo.from_dict(info)
-    sizes = [max(1, int(torch.Size(s).numel()) * d.itemsize) for _, s, d in parsed.metadata]
-    small = max(max(sizes[: max(1, len(sizes) // 2)]), sum(sizes) // 4, 1)  # several chunks
-    fake = dict(info, buffer_size_bytes=small, fingerprint=refit_fingerprint(parsed.metadata, small))
-    generation.prepare_refit_info(fake)
-    world = 1 + generation_world_size(generation)
-    ip, port = "127.0.0.1", find_free_port()
-    refs = generation.init_collective(ip, port, world, rank_offset=1)
-    group = create_broadcast_group(ip, port, 0, world, timeout_s=max(1.0, deadline - time.monotonic()))
-    _ray_get(refs, deadline, "init_collective (injected)")
-    upd = generation.update_weights_from_collective(version)
-    budget = [small]  # send roughly one chunk, then fail
-
-    def items():
-        sent = 0
-        for name, shape, dtype in parsed.metadata:
-            t = torch.zeros(shape, dtype=dtype)
-            if sent > budget[0]:
-                raise RefitFailedError("injected refit failure mid-stream (NRL_FAULT_REFIT_PARTIAL)")
-            sent += t.numel() * t.element_size()
-            yield name, t
-
-    try:
-        packed_broadcast_producer(items(), group, 0, None, buffer_size_bytes=small)
-    except RefitFailedError:
-        pass
-    finally:
-        group.close()
-    import ray
-
-    try:  # the consumers fail (peer gone) and stay stale
-        ray.get(list(upd), timeout=max(1.0, deadline - time.monotonic()))
-    except Exception:  # noqa: BLE001 - expected
-        pass
-    raise RefitFailedError("injected refit failure mid-stream (NRL_FAULT_REFIT_PARTIAL)")
 
 
 def generation_world_size(generation: Any) -> int:
@@ -149,22 +105,20 @@ def refit_weights(
     *,
     timeout_s: float,
     verify_checksum: bool = False,
-    step: int | None = None,
+    on_actor_call: ActorCallHook | None = None,
+    on_streaming: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One refit attempt (see the module docstring). Returns ``{"seconds", "weights_version", ...}``.
 
-    Raises :class:`RefitFailedError` on a missed deadline or a failed stream (workers stale),
+    ``on_actor_call(role, workers)`` runs right before the broadcast calls into each side,
+    ``on_streaming()`` while both sides stream (the stage's observers). Raises
+    :class:`RefitFailedError` on a missed deadline or a failed stream (workers stale),
     ``RefitMismatchError`` when the two sides disagree on what is sent.
     """
     t0 = time.monotonic()
     deadline = t0 + float(timeout_s)
-    s = step if step is not None else weights_version
     generation.mark_stale()
     info = policy.prepare_refit_info()
-    if step is not None and str(step) in {s.strip() for s in os.environ.get(PARTIAL_ENV, "").split(",")}:
-        if step not in _INJECTED:
-            _INJECTED.add(step)
-            _inject_partial_stream(generation, info, weights_version, deadline)
     generation.prepare_refit_info(info)
     gen_world = generation_world_size(generation)
     world = 1 + gen_world
@@ -176,12 +130,14 @@ def refit_weights(
     refs += list(generation.init_collective(ip, port, world, rank_offset=1, timeout_s=max(1.0, deadline - time.monotonic())))
     _ray_get(refs, deadline, "init_collective")
     t1 = time.monotonic()
-    arm_actor_kill("policy", "refit", s, policy.worker_group.workers)
-    arm_actor_kill("generation", "refit", s, generation.workers)
+    if on_actor_call is not None:
+        on_actor_call("policy", policy.worker_group.workers)
+        on_actor_call("generation", generation.workers)
     refs = list(policy.broadcast_weights_for_collective()) + list(
         generation.update_weights_from_collective(weights_version)
     )
-    fault_point("refit", s, "during")  # the flow process dies while the actors stream
+    if on_streaming is not None:
+        on_streaming()
     _ray_get(refs, deadline, "packed broadcast")
     t2 = time.monotonic()
     got = generation.weights_version
@@ -271,65 +227,39 @@ def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float
     return {"attempt": attempt, "error": f"{type(error).__name__}: {error}"[:500], "generation": states}
 
 
-#: Failed attempts of the refit in progress, per ``(run_id, weights_version)`` (this process).
-_FAILURES: dict[tuple[str, int], list[dict[str, Any]]] = {}
+@task(name="refit", task_run_name="refit-{ctx.run_id}-v{weights_version}", tags=["stage:refit"], **TASK_DEFAULTS)
+def refit(ctx: StepContext, trained: DatasetRef | None, weights_version: int, force: bool = False) -> ActionResult:
+    """Bring the generation workers to ``weights_version`` (the policy's weights after ``trained``;
+    ``None`` before the first step or in a recovery). Skipped when they already hold it, unless
+    ``force``. One attempt under a hard deadline; a failure is aborted cleanly, recorded on the run
+    (reported by the refit that succeeds, ``failed_attempts``) and raised for the flow to recover."""
+    run = ctx.run
+    rcfg = ctx.cfg.grpo.refit
+    if not force and run.generation.weights_version == weights_version:
+        done = run.attempts.get((ctx.step, "refit"), 0)
+        return ActionResult("refit", ctx.step, weights_version, skipped=True, attempts=done)
+    with stage_failures(ctx, "refit") as attempt:
+        have = run.policy.weights_version
+        if have != weights_version:
+            from nrl_tasks.stages.errors import StalePolicyError
 
-
-def _retry_condition(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry everything but a metadata mismatch (deterministic: a retry cannot fix it)."""
-    from nrl_tasks.utils.refit import RefitMismatchError
-
-    try:
-        state.result()
-    except RefitMismatchError:
-        return False
-    except Exception:  # noqa: BLE001
-        return True
-    return True
-
-
-@stage_task(
-    name="refit",
-    task_run_name="refit-{run_id}-v{weights_version}",
-    retries=3,
-    retry_delay_seconds=[1, 2, 4],
-    retry_condition_fn=_retry_condition,
-    **TASK_DEFAULTS,
-)
-def refit(cfg: Any, run_id: str, weights_version: int, force: bool = False, step: int | None = None) -> dict[str, Any]:
-    """Bring the generation workers to ``weights_version`` (skipped when they already hold it,
-    unless ``force``). Retries with backoff; each attempt has a hard deadline; a retry first
-    re-creates dead or stuck workers on either side (see the module docstring)."""
-    from flows.runtime import get_runtime
-    from nrl_tasks.stages.recovery import attempt_number, ensure_generation_alive, ensure_policy, stage_attempts
-
-    rt = get_runtime(cfg, run_id)
-    log = get_run_logger()
-    attempt = attempt_number()
-    if attempt > 1:
-        ensure_generation_alive(rt, log)
-    if not force and rt.generation.weights_version == weights_version:
-        return {
-            "stage": "refit", "weights_version": weights_version, "seconds": 0.0, "skipped": True,
-            "attempts": stage_attempts(skipped=True),
-        }
-    ensure_policy(rt, cfg, weights_version, log)  # a dead producer is re-created and restored
-    s = step if step is not None else weights_version
-    fault_point("refit", s, "before")
-    rcfg = cfg.grpo.refit
-    key = (run_id, int(weights_version))
-    try:
-        out = _with_watchdog(
-            refit_weights, rcfg.timeout_s + 5.0, rt.policy, rt.generation, weights_version,
-            timeout_s=rcfg.timeout_s, verify_checksum=rcfg.verify_checksum, step=s,
-        )
-    except Exception as exc:
-        failure = abort_refit(rt, exc, attempt)
-        _FAILURES.setdefault(key, []).append(failure)
-        log.warning(
-            "refit to version %d failed (%s: %s); aborted, generation workers: %s",
-            weights_version, type(exc).__name__, exc, failure["generation"],
-        )
-        raise
-    fault_point("refit", s, "after")
-    return {"stage": "refit", "step": s, **out, "attempts": attempt, "failed_attempts": _FAILURES.pop(key, [])}
+            raise StalePolicyError(f"refit to version {weights_version}: the policy holds {have}")
+        try:
+            ctx.emit("refit", "start")
+            out = _with_watchdog(
+                refit_weights, rcfg.timeout_s + 5.0, run.policy, run.generation, weights_version,
+                timeout_s=rcfg.timeout_s, verify_checksum=rcfg.verify_checksum,
+                on_actor_call=lambda role, workers: ctx.actor_call("refit", role, workers),
+                on_streaming=lambda: ctx.emit("refit", "computed"),
+            )
+        except Exception as exc:
+            failure = abort_refit(run, exc, attempt)
+            run.refit_failures.setdefault(int(weights_version), []).append(failure)
+            get_run_logger().warning(
+                "refit to version %d failed (%s: %s); aborted, generation workers: %s",
+                weights_version, type(exc).__name__, exc, failure["generation"],
+            )
+            raise
+        ctx.emit("refit", "committed")
+    info = {**out, "failed_attempts": run.refit_failures.pop(int(weights_version), [])}
+    return ActionResult("refit", ctx.step, weights_version, seconds=out["seconds"], attempts=attempt, info=info)

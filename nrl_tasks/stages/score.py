@@ -15,12 +15,13 @@ import logging
 from typing import Any, Sequence
 
 import torch
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_task
-from nrl_tasks.stages.faults import fault_point
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.refs import DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
 __all__ = ["compute_rewards", "reward_function", "score"]
 
@@ -65,32 +66,20 @@ def compute_rewards(
     return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
 
 
-@stage_task(name="score", task_run_name="score-{run_id}-step{step}", **TASK_DEFAULTS)
-def score(cfg: Any, run_id: str, step: int, stage: str = "rewards", rollouts_stage: str = "rollouts") -> dict[str, Any]:
+@task(name="score", task_run_name="score-{ctx.run_id}-step{ctx.step}", tags=["stage:score"], **TASK_DEFAULTS)
+def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
     """Score the step's rollouts; persist ``rewards``."""
-    import storage
-    from flows.runtime import get_runtime
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, stage)
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return done
-    fault_point("score", step, "before")
-    timer = StageTimer()
-    rollouts = storage.load_batch(rt.layout.stage_uri(step, rollouts_stage), **rt.storage_kw)
-    rewards, valid, errors = compute_rewards(rollouts, cfg.env, rt.reward_model)
-    if errors:
-        logger = _logger()
-        for e in errors:
-            logger.warning("step %d reward: %s", step, e)
-    fault_point("score", step, "during")
-    batch = BatchedDataDict({"rewards": rewards, "reward_valid": valid})
-    n_valid = int(valid.sum())
-    out = save_output(
-        batch, uri, run_id=run_id, step=step, stage=stage, weights_version=None,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(),
-        reward_mean=float(rewards[valid].mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
-        invalid_rewards=int(valid.numel() - n_valid), reward_errors="; ".join(errors)[:2000],
-    )
-    fault_point("score", step, "after")
-    return out
+    def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        rewards, valid, errors = compute_rewards(inputs["rollouts"], ctx.cfg.env, ctx.run.reward_model)
+        if errors:
+            logger = _logger()
+            for e in errors:
+                logger.warning("step %d reward: %s", ctx.step, e)
+        n_valid = int(valid.sum())
+        return BatchedDataDict({"rewards": rewards, "reward_valid": valid}), {
+            "reward_mean": float(rewards[valid].mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
+            "invalid_rewards": int(valid.numel() - n_valid), "reward_errors": "; ".join(errors)[:2000],
+        }
+
+    return run_stage(ctx, "score", compute, inputs={"rollouts": rollouts})

@@ -14,14 +14,19 @@ from typing import Any
 
 import torch
 
+from prefect import task
+
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.common import TASK_DEFAULTS, StageTimer, committed, save_output, stage_meta, stage_task
-from nrl_tasks.stages.faults import arm_actor_kill, fault_point
-from nrl_tasks.stages.recovery import STAGE_RETRY, ensure_policy, stage_attempts
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.graph import REPLAY_INPUTS
+from nrl_tasks.stages.logprob import check_policy_version
+from nrl_tasks.stages.refs import DatasetRef
+from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
 __all__ = ["build_train_data", "replay_train", "run_train", "train", "train_metrics"]
 
-TRAIN_INPUT_STAGES = ("rollouts", "logprobs", "advantages")
+#: The datasets ``train`` reads (from the stage graph).
+TRAIN_INPUT_STAGES = REPLAY_INPUTS
 
 
 def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict, adv: BatchedDataDict) -> BatchedDataDict:
@@ -80,36 +85,29 @@ def run_train(policy: Any, data: BatchedDataDict, loss_cfg: Any, *, gbs: int, mb
     return train_metrics(result)
 
 
-def _load_inputs(rt: Any, step: int) -> BatchedDataDict:
-    import storage
-
-    parts = [storage.load_batch(rt.layout.stage_uri(step, s), **rt.storage_kw) for s in TRAIN_INPUT_STAGES]
-    return build_train_data(*parts)
-
-
 def _check_version(policy: Any, step: int) -> None:
     """``Policy.train`` bumps the version once per (non-eval) call: after step N it must be N."""
     if policy.weights_version != step:
         raise RuntimeError(f"after train of step {step} the policy reports weights version {policy.weights_version}")
 
 
-def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
-    """Re-run the committed ``train`` of ``step`` from its persisted inputs (after a restore).
+def replay_train(run: Any, step: int) -> dict[str, Any]:
+    """Re-run the committed ``train`` of ``step`` from its persisted inputs (after a restore;
+    ``run``: the :class:`~nrl_tasks.stages.context.RunContext`).
 
     Verifies the recorded weights checksum when there is one; raises ``RuntimeError`` if the
     replay does not reproduce it (training not deterministic) or the inputs are missing.
     """
     import storage
 
-    uri = rt.layout.stage_uri(step, "train")
-    manifest = storage.read_manifest(uri, **rt.storage_kw)
-    meta = stage_meta(manifest)
-    data = _load_inputs(rt, step)
-    run_train(rt.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
-    _check_version(rt.policy, step)
+    layout, kw, cfg = run.layout, run.storage_kw, run.cfg
+    meta = storage.read_manifest(layout.stage_uri(step, "train"), **kw).meta
+    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) for s in REPLAY_INPUTS]
+    run_train(run.policy, build_train_data(*parts), cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
+    _check_version(run.policy, step)
     expected = meta.get("weights_checksum")
     if expected:
-        got = rt.policy.weights_checksum()
+        got = run.policy.weights_checksum()
         if got != expected:
             raise RuntimeError(
                 f"replay of train step {step} gave weights checksum {got}, the run recorded {expected}: "
@@ -118,43 +116,33 @@ def replay_train(rt: Any, cfg: Any, step: int) -> dict[str, Any]:
     return {"step": step, "replayed": True}
 
 
-@stage_task(name="train", task_run_name="train-{run_id}-step{step}", **TASK_DEFAULTS, **STAGE_RETRY)
-def train(cfg: Any, run_id: str, step: int) -> dict[str, Any]:
+@task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", tags=["stage:train"], **TASK_DEFAULTS)
+def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantages: DatasetRef) -> DatasetRef:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
-    Expects the policy at weights version ``step - 1`` and leaves it at ``step``. Retried on actor
-    faults: a dead or stuck worker group is re-created, the last checkpoint restored and the
-    ``train`` stages after it replayed from their persisted batches before this step trains.
+    Expects the policy at weights version ``step - 1`` (``StalePolicyError`` otherwise) and leaves
+    it at ``step``. The manifest records ``weights_checksum`` after the update (replays verify it).
     """
-    from flows.runtime import get_runtime
+    cfg = ctx.cfg
 
-    rt = get_runtime(cfg, run_id)
-    uri = rt.layout.stage_uri(step, "train")
-    if (done := committed(uri, rt.storage_options)) is not None:
-        return {**done, "attempts": stage_attempts(skipped=True)}
-    fault_point("train", step, "before")
-    timer = StageTimer()
-    with timer.phase("recover"):
-        recovery = ensure_policy(rt, cfg, step - 1)
-    with timer.phase("load"):
-        data = _load_inputs(rt, step)
-    arm_actor_kill("policy", "train", step, rt.policy.worker_group.workers)
-    with timer.phase("train"):
-        metrics = run_train(
-            rt.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size
-        )
-    _check_version(rt.policy, step)
-    fault_point("train", step, "during")
-    checksum = rt.policy.weights_checksum() if cfg.logger.weights_checksum else None
-    tokens = int(data["input_lengths"].sum())
-    row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
-    row["step"] = torch.tensor([step], dtype=torch.int64)
-    res = save_output(
-        BatchedDataDict(row), uri, run_id=run_id, step=step, stage="train", weights_version=step,
-        storage_options=rt.storage_options, fsync=cfg.storage.fsync, seconds=timer.total(), train_seconds=timer.seconds["train"],
-        tokens_per_s=tokens / max(timer.seconds["train"], 1e-9), weights_checksum=checksum,
-        loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
-        recovered=recovery["restored_from"] != "live", replayed=",".join(map(str, recovery.get("replayed", []))),
-    )
-    fault_point("train", step, "after")
-    return {**res, "attempts": stage_attempts()}
+    def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
+        policy = ctx.policy
+        check_policy_version(policy, ctx.step - 1, f"train of step {ctx.step}")
+        data = build_train_data(*(inputs[s] for s in REPLAY_INPUTS))
+        ctx.actor_call("train", "policy", policy.worker_group.workers)
+        with timer.phase("train"):
+            metrics = run_train(
+                policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size
+            )
+        _check_version(policy, ctx.step)
+        checksum = policy.weights_checksum() if cfg.logger.weights_checksum else None
+        tokens = int(data["input_lengths"].sum())
+        row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
+        row["step"] = torch.tensor([ctx.step], dtype=torch.int64)
+        return BatchedDataDict(row), {
+            "train_seconds": timer.seconds["train"], "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
+            "weights_checksum": checksum, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+        }
+
+    inputs = {"rollouts": rollouts, "logprobs": logprobs, "advantages": advantages}
+    return run_stage(ctx, "train", compute, inputs=inputs, weights_version=ctx.step)

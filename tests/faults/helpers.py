@@ -85,6 +85,16 @@ def task_runs(name_prefix: str) -> list[Any]:
     return [t for t in asyncio.run(run()) if t.name.startswith(name_prefix)]
 
 
+def retries_of(name: str) -> int:
+    """How often the stage task run ``name`` failed and was run again (each attempt of a stage is
+    its own task run: a failed one, the flow's recovery, then a new one in the step's next attempt)."""
+    runs = [t for t in task_runs(name) if t.name == name]
+    assert runs and runs[-1].state is not None, name
+    failed = sum(bool(t.state and t.state.is_failed()) for t in runs)
+    assert any(t.state and t.state.is_completed() for t in runs), (name, [t.state for t in runs])
+    return failed
+
+
 def run_nrl(args: list[str], api_url: str, *, kill_at: str | None = None, timeout: float = 300) -> Any:
     """``python -m flows.cli ARGS`` in a fresh process (Prefect server ``api_url``), optionally with
     ``NRL_FAULT_KILL_AT=kill_at``; returns the ``CompletedProcess``."""

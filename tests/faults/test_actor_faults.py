@@ -1,6 +1,6 @@
 """Actors killed in the middle of their work during a GRPO run (real kills, test hook
-``NRL_FAULT_KILL_ACTOR_AT``): each stage's retry re-creates what died and restores it from what
-is persisted, and the run ends bit-identical to the uninterrupted reference (``e2e_run``, same
+``NRL_FAULT_KILL_ACTOR_AT``): after each fault the flow's recovery re-creates what died and
+restores it from what is persisted, the step runs again, and the run ends bit-identical to the uninterrupted reference (``e2e_run``, same
 config and seed; its validation and refit retries do not touch the policy).
 
 One 3-step run (in this process, Prefect test server, the session's Ray) suffers, in order:
@@ -33,6 +33,7 @@ from tests.faults.helpers import (
     env_vars,
     fired,
     read_fault_log,
+    retries_of,
     task_runs,
     train_checksum,
 )
@@ -45,7 +46,7 @@ FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:freeze, poli
 @pytest.fixture(scope="module")
 def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
     from flows.grpo import grpo
-    from nrl_tasks.stages import faults
+    from tests.faults import injection as faults
 
     root = str(tmp_path_factory.mktemp("faulted"))
     log = os.path.join(root, "faults.jsonl")
@@ -84,8 +85,7 @@ def test_generation_worker_killed_during_generate_regenerates_same_rollouts(faul
         assert_same_rollouts(root, RUN_ID, base, E2E_RUN_ID, step)
     meta = storage.read_manifest(os.path.join(root, RUN_ID, "steps", "step_000002", "rollouts")).meta
     assert meta["recovered"] is True and meta["weights_version"] == 1
-    runs = task_runs(f"generate-{RUN_ID}-step2")
-    assert max(t.run_count for t in runs) == 2  # one retry
+    assert retries_of(f"generate-{RUN_ID}-step2") == 1  # one retry
 
 
 def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
@@ -95,8 +95,7 @@ def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
     assert checkpoint_bytes(root, RUN_ID, 3) == checkpoint_bytes(base, E2E_RUN_ID, 3)
     assert checkpoint_bytes(root, RUN_ID, 2) == checkpoint_bytes(base, E2E_RUN_ID, 2)
     for step in (2, 3):
-        runs = task_runs(f"train-{RUN_ID}-step{step}")
-        assert max(t.run_count for t in runs) == 2, step
+        assert retries_of(f"train-{RUN_ID}-step{step}") == 1, step
     rows = faulted_run["result"]["final_metrics"]
     assert rows["step"] == 3
 
@@ -114,9 +113,7 @@ def test_metrics_lines_count_the_attempts(faulted_run):
 def test_refit_consumer_frozen_hits_deadline_and_is_retried(faulted_run):
     e = fired(faulted_run["log"], "generation", "refit", 2)
     assert e["how"] == "freeze" and e["fired"] is True
-    runs = task_runs(f"refit-{RUN_ID}-v2")
-    assert runs and max(t.run_count for t in runs) == 2  # the deadline, then a successful retry
-    assert all(t.state.is_completed() for t in runs)
+    assert retries_of(f"refit-{RUN_ID}-v2") == 1  # the deadline, then a successful retry
 
 
 def _refuses(worker, version) -> None:
@@ -132,28 +129,33 @@ def _refuses(worker, version) -> None:
 
 def test_refit_producer_killed_mid_broadcast(faulted_run):
     """The policy (producer) dies inside the packed broadcast: the attempt fails, the abort
-    leaves the generation worker stale (it refuses every version), and the next refit re-creates
+    leaves the generation worker stale (it refuses every version), and the recovery re-creates
     the policy, restores checkpoint 3 and streams over a new communicator."""
     import ray
 
     from flows.config import load_config
-    from flows.runtime import get_runtime
-    from nrl_tasks.stages import faults
-    from nrl_tasks.stages.recovery import is_actor_fault
-    from nrl_tasks.stages.refit import abort_refit, refit, refit_weights
+    from flows.recovery import recover
+    from flows.runtime import build_run_context, setup_runtime
+    from nrl_tasks.stages.errors import is_actor_fault
+    from nrl_tasks.stages.refit import abort_refit, refit_weights
+    from tests.faults import injection as faults
 
     cfg = load_config(faulted_run["cfg"])
-    rt = get_runtime(cfg, RUN_ID)
+    rt = setup_runtime(cfg, RUN_ID)  # attaches to the run's kept actors
+    run = build_run_context(cfg, RUN_ID, rt, rt.tokenizer)
     want = train_checksum(faulted_run["root"], RUN_ID, 3)
     old_pid = rt.policy.worker_status()[0]["pid"]
     os.environ[faults.ACTOR_ENV_VAR] = "policy:refit@203"
     try:
         with pytest.raises(Exception) as ei:
-            refit_weights(rt.policy, rt.generation, 3, timeout_s=20.0, step=203)
+            refit_weights(
+                rt.policy, rt.generation, 3, timeout_s=20.0,
+                on_actor_call=lambda role, workers: faults.arm_actor_kill(role, "refit", 203, workers),
+            )
     finally:
         os.environ.pop(faults.ACTOR_ENV_VAR, None)
     assert is_actor_fault(ei.value), repr(ei.value)
-    info = abort_refit(rt, ei.value, 1)
+    info = abort_refit(run, ei.value, 1)
     assert info["generation"][0]["alive"] is not False, info  # the consumer survived (maybe still unwinding)
     assert info["generation"][0].get("stale", True), info
     worker = rt.generation.workers[0]
@@ -164,8 +166,8 @@ def test_refit_producer_killed_mid_broadcast(faulted_run):
     else:  # every byte had arrived before the producer died: then they are exactly the trained weights
         assert state["weights_version"] == 3 and ray.get(worker.weights_checksum.remote()) == want
 
-    out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, 3, force=True, step=204)
-    assert out["weights_version"] == 3
+    out = recover(run, 3)  # what the flow does after the failed refit
+    assert out["plan"].recreate_policy and out["plan"].refit and out["restored_from"].endswith("step_000003")
     assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created, restored from checkpoint 3
     assert rt.policy.weights_checksum() == want
     assert rt.generation.weights_version == 3 and rt.generation.weights_checksum() == want
@@ -177,8 +179,8 @@ def test_stage_retries_zero_fails_the_stage_on_an_actor_fault(prefect_harness, r
     import json
 
     from flows.grpo import grpo
-    from nrl_tasks.stages import faults
-    from nrl_tasks.stages.recovery import is_actor_fault
+    from tests.faults import injection as faults
+    from nrl_tasks.stages.errors import is_actor_fault
 
     run_id = "faults-no-stage-retry"
     root = str(tmp_path)
@@ -196,7 +198,7 @@ def test_stage_retries_zero_fails_the_stage_on_an_actor_fault(prefect_harness, r
     assert fired(read_fault_log(log), "policy", "train", 1)["fired"] is True
     assert is_actor_fault(ei.value), repr(ei.value)
     runs = task_runs(f"train-{run_id}-step1")
-    assert [t.run_count for t in runs] == [1] and runs[0].state.is_failed()
+    assert [t.run_count for t in runs] == [1] and runs[0].state.is_failed()  # no second attempt
     status = json.loads(open(os.path.join(root, run_id, "status.json")).read())
     assert status["status"] == "failed"
     assert not os.path.exists(os.path.join(root, run_id, "steps", "step_000001", "train", "_manifest.json"))

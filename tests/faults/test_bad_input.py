@@ -102,8 +102,8 @@ def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir
     one clear error, Ray never contacted, no data snapshot committed."""
     import storage
     import flows.runtime
-    from flows.run_layout import join_uri
     from flows.runtime import setup_runtime
+    from nrl_tasks.run_layout import join_uri
 
     def tripwire(*a, **k):
         raise AssertionError("Ray was contacted despite bad input")
@@ -130,9 +130,12 @@ def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir
 # --------------------------------------------------------------------------- rewards
 def _score_with(reward_fn: str, tmp_path):
     """Run the ``score`` stage of step 1 on persisted rollouts with ``env.reward_fn``."""
+    import types
+
     import storage
-    from flows.run_layout import RunLayout
-    from flows.runtime import Runtime, drop_runtime, namespace_for, register_runtime
+    from flows.runtime import build_run_context
+    from nrl_tasks.run_layout import RunLayout
+    from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.score import score
 
     root = str(tmp_path / "runs")
@@ -147,12 +150,11 @@ def _score_with(reward_fn: str, tmp_path):
             "group_id": torch.tensor([0] * 4 + [1] * 4),
         },
         layout.stage_uri(1, "rollouts"),
+        run_id=run_id, step=1, stage="rollouts",
     )
-    register_runtime(Runtime(cfg=cfg, run_id=run_id, layout=layout, namespace=namespace_for(run_id), tokenizer=None))
-    try:
-        out = score.fn(cfg, run_id, 1)
-    finally:
-        drop_runtime(run_id)
+    no_actors = types.SimpleNamespace(namespace="-", policy=None, generation=None, reward_model=None)
+    ctx = build_run_context(cfg, run_id, no_actors, tokenizer=None).step(1)
+    out = score.fn(ctx, committed_ref(layout.stage_uri(1, "rollouts"))).summary()
     rewards = storage.load_batch(layout.stage_uri(1, "rewards"))
     rollouts = storage.load_batch(layout.stage_uri(1, "rollouts"))
     return cfg, out, rewards, rollouts

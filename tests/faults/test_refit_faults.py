@@ -73,7 +73,7 @@ def _env(**kv):
 
 def test_consumer_killed_mid_broadcast_survivor_stale_then_retry(two_worker_rt, tmp_path):
     from nrl_tasks.stages import faults
-    from nrl_tasks.stages.recovery import is_actor_fault
+    from nrl_tasks.stages.errors import is_actor_fault
     from nrl_tasks.stages.refit import abort_refit, refit, refit_weights
 
     rt, cfg = two_worker_rt["rt"], two_worker_rt["cfg"]

@@ -153,9 +153,12 @@ def test_save_interrupted_by_an_outage_commits_once_then_a_load_waits_out_anothe
 def test_score_stage_rides_out_an_outage(server):
     """A stage (``score``) on S3 storage with the endpoint down when it starts: it waits, then
     commits its output once; the rewards are those of the rollouts."""
+    import types
+
     from flows.config import load_config
-    from flows.run_layout import RunLayout
-    from flows.runtime import Runtime, drop_runtime, namespace_for, register_runtime
+    from flows.runtime import build_run_context
+    from nrl_tasks.run_layout import RunLayout
+    from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.score import score
     from tests.flows.conftest import TINY_CONFIG
 
@@ -172,18 +175,18 @@ def test_score_stage_rides_out_an_outage(server):
         "answer": ["2"] * 4,
         "group_id": torch.zeros(4, dtype=torch.int64),
     }
-    storage.save_batch(rollouts, layout.stage_uri(1, "rollouts"), storage_options=server.storage_options)
-    register_runtime(Runtime(cfg=cfg, run_id=run_id, layout=layout, namespace=namespace_for(run_id), tokenizer=None))
-    try:
-        server.stop()
-        with retry_policy(**PATIENT):
-            stage = Background(lambda: score.fn(cfg, run_id, 1))
-            time.sleep(1.5)
-            assert stage.thread.is_alive()
-            server.start()
-            out = stage.join()
-    finally:
-        drop_runtime(run_id)
+    uri = layout.stage_uri(1, "rollouts")
+    storage.save_batch(rollouts, uri, storage_options=server.storage_options, run_id=run_id, step=1, stage="rollouts")
+    no_actors = types.SimpleNamespace(namespace="-", policy=None, generation=None, reward_model=None)
+    ctx = build_run_context(cfg, run_id, no_actors, tokenizer=None).step(1)
+    ref = committed_ref(uri, server.storage_options)
+    server.stop()
+    with retry_policy(**PATIENT):
+        stage = Background(lambda: score.fn(ctx, ref).summary())
+        time.sleep(1.5)
+        assert stage.thread.is_alive()
+        server.start()
+        out = stage.join()
     assert out["rows"] == 4 and out["invalid_rewards"] == 0
     rewards = storage.load_batch(layout.stage_uri(1, "rewards"), storage_options=server.storage_options)
     assert rewards["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0]

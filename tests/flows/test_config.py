@@ -103,15 +103,15 @@ def test_policy_config_fills_generation_and_resolves_builtin(tmp_path, monkeypat
 
 
 def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
-    """``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``: defaults equal the decorators', set
-    from YAML or ``key=value``, validated, turned into the stages' Prefect options, and outside
-    the config hash (a resume may change them)."""
-    from nrl_tasks.stages.recovery import STAGE_RETRY, retry_on_actor_fault, stage_retry_options, with_stage_retries
-    from nrl_tasks.stages.train import train
+    """``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``: defaults from the stage errors module, set
+    from YAML or ``key=value``, validated, turned into the flow's retry budget, and outside the config
+    hash (a resume may change them)."""
+    from flows.recovery import RetryBudget
+    from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
 
     base = load_config(TINY)
-    assert base.grpo.stage_retries == STAGE_RETRY["retries"] == 2
-    assert base.grpo.stage_retry_delay_s == STAGE_RETRY["retry_delay_seconds"] == [1.0, 3.0]
+    assert base.grpo.stage_retries == DEFAULT_STAGE_RETRIES == 2
+    assert base.grpo.stage_retry_delay_s == list(DEFAULT_STAGE_RETRY_DELAY_S) == [1.0, 3.0]
 
     cfg = load_config(TINY, ["grpo.stage_retries=0", "grpo.stage_retry_delay_s=[0.5, 2, 8]"])
     assert cfg.grpo.stage_retries == 0 and cfg.grpo.stage_retry_delay_s == [0.5, 2.0, 8.0]
@@ -123,11 +123,12 @@ def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
     assert from_yaml.grpo.stage_retries == 5 and from_yaml.grpo.stage_retry_delay_s == [0.0]
     assert config_hash(cfg) == config_hash(from_yaml) == config_hash(base)
 
-    opts = stage_retry_options(cfg)
-    assert opts == {"retries": 0, "retry_delay_seconds": [0.5, 2.0, 8.0], "retry_condition_fn": retry_on_actor_fault}
-    t = with_stage_retries(train, from_yaml)
-    assert (t.retries, t.retry_delay_seconds, t.retry_condition_fn) == (5, [0.0], retry_on_actor_fault)
-    assert (train.retries, train.retry_delay_seconds) == (2, [1.0, 3.0])  # the decorator is untouched
+    assert RetryBudget(cfg).take(1, "train") is None  # no retry at all
+    budget = RetryBudget(base)
+    assert [budget.take(3, "train") for _ in range(3)] == [1.0, 3.0, None]  # then the step fails
+    assert budget.take(3, "generate") == 1.0  # each stage of each step has its own budget
+    five = RetryBudget(from_yaml)
+    assert [five.take(1, "logprob") for _ in range(6)] == [0.0] * 5 + [None]  # the last delay repeats
 
     for overrides, needle in (
         (["grpo.stage_retries=-1"], "grpo.stage_retries"),

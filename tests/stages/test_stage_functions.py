@@ -1,5 +1,5 @@
 """The pure parts of the stages (no Ray): rollout assembly, advantages, train input, eval summary,
-fault-hook parsing, checkpoint commit protocol, metrics lines."""
+checkpoint commit protocol, metrics lines."""
 
 from __future__ import annotations
 
@@ -105,17 +105,6 @@ def test_summarize_eval_pass_at_k():
     )
     out = summarize_eval(s)
     assert out == {"accuracy": 0.5, "num_prompts": 2, "pass_at_k": 0.5, "k": 2, "sample_reward_mean": 0.25}
-
-
-def test_fault_hook_parsing_and_noop(monkeypatch):
-    from nrl_tasks.stages.faults import ENV_VAR, fault_point, parse_fault_points
-
-    assert parse_fault_points("train@3:after,checkpoint@2:before") == {("train", 3, "after"), ("checkpoint", 2, "before")}
-    with pytest.raises(ValueError, match="stage@step"):
-        parse_fault_points("train3")
-    monkeypatch.setenv(ENV_VAR, "train@3:after")
-    fault_point("train", 3, "before")  # not the named point: nothing happens
-    fault_point("train", 2, "after")
 
 
 def test_checkpoint_commit_protocol(tmp_path):

@@ -1,4 +1,9 @@
-"""Test hooks: real faults at named points of a stage (for kill-and-resume and fault tests).
+"""The fault suites' plug-in: real faults at named points of a stage (kill-and-resume and fault tests).
+
+Installed as a stage observer (``NRL_PLUGINS=tests.faults.injection``, set for the whole test
+session by ``tests/conftest.py``, so flow processes started by the CLI or a Prefect worker load
+it too); it acts only when one of the variables below is set. A stage's ``start`` point is
+``before``, ``computed`` is ``during`` and ``committed`` is ``after``.
 
 **Flow process.** Set ``NRL_FAULT_KILL_AT`` to one or more comma-separated points
 ``stage@step[:where]`` with ``where`` one of ``before`` (stage entered, nothing done),
@@ -24,7 +29,10 @@ falls back to ``sigkill``.
 ``NRL_FAULT_LOG=/path/file.jsonl`` (optional) records each actor kill (target, pid, the
 frame it landed in, wall time), so a test can check the fault happened where it meant to.
 
-These are documented test hooks, not features: never set them in production.
+**Refit.** ``NRL_FAULT_REFIT_PARTIAL=STEP[,STEP...]`` makes the first attempt of the refit at
+``STEP`` (in this process) fail mid-stream: the driver itself produces the first packed chunk of a
+stream (zeros) and then drops the group, so the workers receive part of the bytes and fail
+(:func:`inject_partial_stream`).
 
 >>> sorted(parse_fault_points("generate@2, train@3:after"))
 [('generate', 2, 'during'), ('train', 3, 'after')]
@@ -45,6 +53,10 @@ from typing import Any, Sequence
 
 __all__ = [
     "ACTOR_CALLS",
+    "FaultInjector",
+    "PARTIAL_ENV",
+    "inject_partial_stream",
+    "observer",
     "ACTOR_ENV_VAR",
     "ENV_VAR",
     "LOG_ENV_VAR",
@@ -58,6 +70,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "NRL_FAULT_KILL_AT"
+PARTIAL_ENV = "NRL_FAULT_REFIT_PARTIAL"
 ACTOR_ENV_VAR = "NRL_FAULT_KILL_ACTOR_AT"
 LOG_ENV_VAR = "NRL_FAULT_LOG"
 _WHERE = ("before", "during", "after")
@@ -234,9 +247,12 @@ def arm_actor_kill(role: str, stage: str, step: int, workers: Sequence[Any]) -> 
     if not spec:
         return False
     import ray
+    import ray.cloudpickle
 
     from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 
+    # the watcher runs in the actor, which may not have the tests package on its path: ship it by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     armed = False
     for r_role, rank, r_stage, r_step, how in parse_actor_faults(spec):
         key = (r_role, rank, r_stage, r_step, how)
@@ -266,3 +282,85 @@ def arm_actor_kill(role: str, stage: str, step: int, workers: Sequence[Any]) -> 
             _record({**event, "fired": "armed", "t": time.time()})
         armed = True
     return armed
+
+
+# ---------------------------------------------------------------------------------- refit
+def inject_partial_stream(generation: Any, info: dict[str, Any], version: int, deadline: float) -> None:
+    """Driver-side rogue producer: send the first chunk of a stream, then drop the group."""
+    import torch
+
+    from nrl_tasks.utils.collective import create_broadcast_group, find_free_port
+    from nrl_tasks.utils.packed_tensor import packed_broadcast_producer
+    from nrl_tasks.utils.refit import RefitInfo, refit_fingerprint
+
+    parsed = RefitInfo.from_dict(info)
+    sizes = [max(1, int(torch.Size(s).numel()) * d.itemsize) for _, s, d in parsed.metadata]
+    small = max(max(sizes[: max(1, len(sizes) // 2)]), sum(sizes) // 4, 1)  # several chunks
+    fake = dict(info, buffer_size_bytes=small, fingerprint=refit_fingerprint(parsed.metadata, small))
+    generation.prepare_refit_info(fake)
+    from nrl_tasks.stages.refit import RefitFailedError, _ray_get, generation_world_size
+
+    world = 1 + generation_world_size(generation)
+    ip, port = "127.0.0.1", find_free_port()
+    refs = generation.init_collective(ip, port, world, rank_offset=1)
+    group = create_broadcast_group(ip, port, 0, world, timeout_s=max(1.0, deadline - time.monotonic()))
+    _ray_get(refs, deadline, "init_collective (injected)")
+    upd = generation.update_weights_from_collective(version)
+    budget = [small]  # send roughly one chunk, then fail
+
+    def items():
+        sent = 0
+        for name, shape, dtype in parsed.metadata:
+            t = torch.zeros(shape, dtype=dtype)
+            if sent > budget[0]:
+                raise RefitFailedError("injected refit failure mid-stream (NRL_FAULT_REFIT_PARTIAL)")
+            sent += t.numel() * t.element_size()
+            yield name, t
+
+    try:
+        packed_broadcast_producer(items(), group, 0, None, buffer_size_bytes=small)
+    except RefitFailedError:
+        pass
+    finally:
+        group.close()
+    import ray
+
+    try:  # the consumers fail (peer gone) and stay stale
+        ray.get(list(upd), timeout=max(1.0, deadline - time.monotonic()))
+    except Exception:  # noqa: BLE001 - expected
+        pass
+    raise RefitFailedError("injected refit failure mid-stream (NRL_FAULT_REFIT_PARTIAL)")
+
+
+# ---------------------------------------------------------------------------------- observer
+_POINT = {"start": "before", "computed": "during", "committed": "after"}
+
+
+class FaultInjector:
+    """The stage observer that fires the faults named in the environment."""
+
+    def __init__(self) -> None:
+        self._partial_done: set[int] = set()
+
+    def on_stage(self, ctx: Any, stage: str, point: str) -> None:
+        fault_point(stage, ctx.step, _POINT[point])
+        if stage == "refit" and point == "start":
+            self._maybe_partial_refit(ctx)
+
+    def on_actor_call(self, ctx: Any, stage: str, role: str, workers: Sequence[Any]) -> None:
+        arm_actor_kill(role, stage, ctx.step, workers)
+
+    def _maybe_partial_refit(self, ctx: Any) -> None:
+        steps = {s.strip() for s in os.environ.get(PARTIAL_ENV, "").split(",") if s.strip()}
+        if str(ctx.step) not in steps or ctx.step in self._partial_done:
+            return
+        self._partial_done.add(ctx.step)
+        version = ctx.policy.weights_version
+        deadline = time.monotonic() + float(ctx.cfg.grpo.refit.timeout_s)
+        ctx.generation.mark_stale()
+        inject_partial_stream(ctx.generation, ctx.policy.prepare_refit_info(), version, deadline)
+
+
+def observer() -> FaultInjector:
+    """``NRL_PLUGINS`` factory (always installed in tests; inert unless a fault variable is set)."""
+    return FaultInjector()

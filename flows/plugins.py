@@ -1,0 +1,52 @@
+"""Plug-ins: stage observers named in the environment, installed on a run's context.
+
+``NRL_PLUGINS="package.module[:factory],..."`` names modules whose ``factory`` (default
+``observer``) returns a :class:`~nrl_tasks.stages.context.StageObserver`, or ``None`` when it has
+nothing to do in this process. The flow installs them on the run's context, so they see every
+stage start, compute and commit and every call into an actor group. Production ships none; the
+fault suites install their fault injector this way (``tests/faults/injection.py``), which reaches
+flow processes started by the CLI or by a Prefect worker through their environment.
+
+>>> PluginSettings(plugins="a.b, c.d:make").specs()
+[('a.b', 'observer'), ('c.d', 'make')]
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from nrl_tasks.stages.context import Observers, StageObserver
+
+__all__ = ["PluginSettings", "load_observers"]
+
+
+class PluginSettings(BaseSettings):
+    """Environment knobs of the plug-in loader (prefix ``NRL_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="NRL_", extra="ignore")
+
+    #: comma-separated ``module[:factory]`` items
+    plugins: str = ""
+
+    def specs(self) -> list[tuple[str, str]]:
+        out = []
+        for item in filter(None, (s.strip() for s in self.plugins.split(","))):
+            module, _, factory = item.partition(":")
+            out.append((module, factory or "observer"))
+        return out
+
+
+def load_observers(settings: PluginSettings | None = None) -> Observers:
+    """The observers of the configured plug-ins; ``ValueError`` naming a plug-in that cannot load."""
+    found: list[StageObserver] = []
+    for module, factory in (settings or PluginSettings()).specs():
+        try:
+            make = getattr(importlib.import_module(module), factory)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"NRL_PLUGINS: cannot load {module}:{factory} ({type(exc).__name__}: {exc})") from None
+        obs = make()
+        if obs is not None:
+            found.append(obs)
+    return Observers(found)

@@ -1,0 +1,99 @@
+"""The flow process's Ray: connect to a cluster or start a local one, and stop the local one.
+
+A local Ray started by the flow (no ``cluster.ray.address`` / ``RAY_ADDRESS`` and no Ray in the
+process yet) belongs to the run: :func:`local_ray_session` names its session directory and
+:func:`shutdown_local_ray` stops it (daemons included) when the flow ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from flows.config import MasterConfig
+
+__all__ = [
+    "RAY_THREAD_PREFIXES",
+    "connect_ray",
+    "local_ray_cpus",
+    "local_ray_session",
+    "ray_connected",
+    "shutdown_local_ray",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def local_ray_cpus(cfg: MasterConfig) -> int:
+    """Logical CPUs for a local Ray: every worker's share, at least the machine's cores."""
+    need = cfg.cluster.policy_workers * max(cfg.cluster.num_cpus_per_worker, 0.0)
+    need += cfg.gen.num_workers * max(cfg.gen.num_cpus_per_worker, 0.0)
+    if cfg.env.reward_model.enabled:
+        need += 1
+    return int(max(os.cpu_count() or 1, need + 1))
+
+
+def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
+    """Connect to ``cluster.ray.address`` / ``RAY_ADDRESS`` or start a local Ray; GCS address.
+
+    ``namespace``: the driver's Ray namespace when this process connects first. Placement groups
+    are named in their creating driver's namespace, so a flow process uses its run's namespace
+    (:func:`namespace_for`): the next flow process of the run (a resume) then finds and reuses
+    them instead of reserving new ones, and a cleanup can remove them by name.
+    """
+    from nrl_tasks.distributed.virtual_cluster import init_ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cfg.cluster.ray.address
+    if address or os.environ.get("RAY_ADDRESS"):
+        return init_ray(address, namespace=namespace)
+    return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
+
+
+def ray_connected() -> bool:
+    """Whether this process is connected to Ray already (then the flow reuses that Ray)."""
+    import ray
+
+    return bool(ray.is_initialized())
+
+
+def local_ray_session() -> str | None:
+    """Session directory of the local Ray head this process started, else ``None``."""
+    from nrl_tasks.distributed.virtual_cluster import local_head_session_dir
+
+    return local_head_session_dir()
+
+
+#: Name prefixes of this project's background threads that call Ray (fault hooks, refit watchdog).
+RAY_THREAD_PREFIXES = ("nrl-fault", "nrl-refit")
+
+
+def _ray_threads_finished(timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the :data:`RAY_THREAD_PREFIXES` threads; True when none is left."""
+    me = threading.current_thread()
+    threads = [th for th in threading.enumerate() if th is not me and th.name.startswith(RAY_THREAD_PREFIXES)]
+    deadline = time.monotonic() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    return not any(th.is_alive() for th in threads)
+
+
+def shutdown_local_ray(run_id: str | None = None, *, thread_timeout_s: float = 15.0) -> bool:
+    """Stop the local Ray head this process started (actors, raylet, GCS, agents; waits for the
+    head's processes). False (nothing done) when this process only connected to a cluster or has
+    no Ray. (``run_id`` is accepted for the callers' clarity; nothing is cached per run.)
+
+    A thread that touches Ray after ``ray.shutdown()`` makes Ray end the whole process, so the
+    project's Ray-calling background threads are waited for first (``thread_timeout_s``); if one
+    is still busy, Ray is left to the process's exit (a warning says so)."""
+    if local_ray_session() is None:
+        return False
+    if not _ray_threads_finished(thread_timeout_s):
+        logger.warning("local Ray left running until this process exits: a background thread still uses it")
+        return False
+    import ray
+
+    ray.shutdown(wait_for_processes=True)
+    return True

@@ -1,0 +1,135 @@
+"""One GRPO step as a Prefect subflow: the data flow of the step, readable top to bottom.
+
+::
+
+    prompts = prompts(ctx)
+    rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
+    rewards = score(ctx, rollouts)
+    logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
+    advantages = advantages(ctx, rollouts, rewards)
+    trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
+    checkpoint(ctx, trained)                                # when due
+    refitted = refit(ctx, trained, step)                    # generation workers to version step
+    validate(ctx, refitted, step)                           # when due
+
+Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.DatasetRef` objects
+the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
+draws it. The step runs as a subflow named ``<run_id>-step-0007`` under the run's flow run (a
+retried step: ``<run_id>-step-0007-retry1``), its task runs tagged ``run:<run_id>`` and
+``stage:<name>``. Every stage is idempotent (:mod:`nrl_tasks.stages.runner`): running a step again
+recomputes only what is not committed. The flow then writes the step's ``metrics.jsonl`` line,
+console line and artifacts (:func:`publish_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+
+from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
+from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
+from nrl_tasks.stages.advantages import advantages
+from nrl_tasks.stages.checkpoint import checkpoint
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.evaluate import validate
+from nrl_tasks.stages.generate import generate, prompts
+from nrl_tasks.stages.logprob import logprob
+from nrl_tasks.stages.refit import refit
+from nrl_tasks.stages.refs import DatasetRef, StepRefs
+from nrl_tasks.stages.score import score
+from nrl_tasks.stages.train import train
+
+__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step does besides its data stages (a small, JSON-able flow parameter)."""
+
+    max_steps: int
+    config_hash: str
+    checkpoint: bool = False
+    validate: bool = False
+    #: write the step's metrics line (False: a resumed step whose line exists)
+    write_line: bool = True
+    attempt: int = 1
+
+
+def data_stages(ctx: StepContext, weights_version: int) -> dict[str, DatasetRef]:
+    """The step's datasets before ``train`` (stages that find their output committed skip)."""
+    c = quote(ctx)
+    prompt_ref = prompts(c)
+    rollouts = generate(c, prompt_ref, weights_version)
+    rewards = score(c, rollouts)
+    logprobs = logprob(c, rollouts, weights_version)
+    advs = advantages(c, rollouts, rewards)
+    return {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs}
+
+
+def _step_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    plan = params.get("plan") or {}
+    attempt = plan.get("attempt", 1) if isinstance(plan, dict) else getattr(plan, "attempt", 1)
+    ctx = params.get("ctx")
+    run_id = getattr(ctx, "run_id", None) or "grpo"
+    step = getattr(ctx, "step", 0)
+    name = f"{run_id}-step-{int(step):04d}"
+    return name if int(attempt) <= 1 else f"{name}-retry{int(attempt) - 1}"
+
+
+@flow(name="grpo-step", flow_run_name=_step_run_name, validate_parameters=False, persist_result=False)
+def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
+    """Step ``ctx.step`` of the run (see the module docstring)."""
+    c = quote(ctx)
+    data = data_stages(ctx, ctx.step - 1)
+    trained = train(c, data["rollouts"], data["logprobs"], data["advantages"])
+    ck = checkpoint(c, trained, plan.config_hash) if plan.checkpoint else None
+    refitted = refit(c, trained, trained.weights_version)
+    val = validate(c, refitted, trained.weights_version) if plan.validate else None
+    return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val)
+
+
+def publish_step(
+    ctx: StepContext,
+    refs: StepRefs,
+    plan: StepPlan,
+    *,
+    wall_seconds: float | None,
+    publisher: BackgroundPublisher | None = None,
+    progress: ProgressHandle | None = None,
+) -> dict[str, Any] | None:
+    """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off), console line and
+    artifacts (published in the background by ``publisher``)."""
+    import storage
+
+    run, cfg = ctx.run, ctx.cfg
+    row = None
+    if plan.write_line:
+        rw = storage.load_batch(ctx.uri("rewards"), columns=["rewards", "reward_valid"], **ctx.storage_kw)
+        row = build_step_metrics(
+            ctx.step, {k: v.summary() for k, v in refs.datasets.items()},
+            refit=refs.refit.summary() if refs.refit else None,
+            val=refs.val.summary() if refs.val else None,
+            checkpoint=refs.checkpoint.summary() if refs.checkpoint else None,
+            wall_seconds=wall_seconds, rewards=(rw["rewards"], rw["reward_valid"]),
+        )
+        rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
+        if cfg.logger.artifacts and publisher is not None:
+            publisher.submit(publish_metrics_table, run.run_id, rows)
+            n = cfg.logger.num_rollouts_to_show
+            if n > 0:
+                r = storage.load_batch(ctx.uri("rollouts"), columns=["prompt", "response", "answer"], **ctx.storage_kw)
+                md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n)
+                publisher.submit(publish_rollouts, run.run_id, md)
+        line = format_console_line(run.run_id, row, plan.max_steps)
+        get_run_logger().info(line)
+        if cfg.logger.console:
+            print(line, flush=True)
+    if cfg.logger.artifacts and publisher is not None and progress is not None:
+        publisher.submit(progress.update, ctx.step, plan.max_steps)
+    return row

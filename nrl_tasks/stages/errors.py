@@ -1,0 +1,67 @@
+"""What can go wrong in a stage, and which of it a retry can fix.
+
+An **actor fault** (:func:`is_actor_fault`) is a dead, unreachable, stuck or stale actor: the flow
+re-plans the run's recovery (re-create, restore, replay, refit; :mod:`flows.recovery`) and runs the
+step again, up to the run's retry settings. Bad data, bad config and damaged storage are not actor
+faults: they fail the run with their own message.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DEFAULT_STAGE_RETRIES",
+    "DEFAULT_STAGE_RETRY_DELAY_S",
+    "DamagedRunError",
+    "StalePolicyError",
+    "is_actor_fault",
+]
+
+#: Defaults of ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``.
+DEFAULT_STAGE_RETRIES = 2
+DEFAULT_STAGE_RETRY_DELAY_S: tuple[float, ...] = (1.0, 3.0)
+
+
+class DamagedRunError(ValueError):
+    """Persisted data a resume or replay needs is damaged, missing or cannot be verified."""
+
+
+def _stale_weights_error() -> type:
+    from nrl_tasks.models.generation.interfaces import StaleWeightsError
+
+    return StaleWeightsError
+
+
+class StalePolicyError(RuntimeError):
+    """The policy does not hold the weights version a stage needs (re-created or restarted actors)."""
+
+
+def _fault_types() -> tuple[type, ...]:
+    import ray.exceptions as rx
+
+    from nrl_tasks.stages.refit import RefitFailedError
+    from nrl_tasks.utils.collective import CollectiveError
+
+    types: list[type] = [rx.RayActorError, rx.GetTimeoutError, rx.WorkerCrashedError, rx.ObjectLostError]
+    for name in ("ActorUnavailableError", "OwnerDiedError", "NodeDiedError", "RaySystemError"):
+        t = getattr(rx, name, None)
+        if isinstance(t, type):
+            types.append(t)
+    # stale weights on either side, a collective whose peer died or timed out, a failed refit
+    types += [_stale_weights_error(), StalePolicyError, CollectiveError, RefitFailedError]
+    return tuple(types)
+
+
+def is_actor_fault(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it wraps) means a dead, stuck or stale actor: worth a retry
+    after recovery. Bad data, bad config and storage damage are not."""
+    types = _fault_types()
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DamagedRunError):
+            return False
+        if isinstance(exc, types):
+            return True
+        cause = getattr(exc, "cause", None)  # RayTaskError wraps the worker's exception
+        exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
+    return False

@@ -1,0 +1,107 @@
+"""The stage graph of one GRPO step: the single list every other module derives its stage facts from.
+
+::
+
+    prompts ──► generate ──► rollouts ─┬─► score ──► rewards ─┐
+                                       ├─► logprob ──► logprobs ─┼─► train ──► (refit, checkpoint)
+                                       └───────────────────────► advantages ┘
+                                                  (advantages reads rollouts and rewards)
+
+Each :class:`StageSpec` names a stage (its Prefect task), the dataset it commits under
+``steps/step_N/<output>``, the datasets of the same step it reads, the actors it calls and whether
+an actor fault is worth a retry (after the flow re-plans the run's recovery). From it:
+
+- :data:`DATA_STAGES`: the step's datasets in pipeline order;
+- :func:`dependants`: what a changed dataset invalidates (``--recompute`` of a step not trained yet);
+- :data:`REPLAY_INPUTS`: what a replayed ``train`` reads; :data:`STEP_INPUTS`: a step's datasets
+  before ``train`` (what retention may prune, what a replay may have to recompute);
+- :data:`DATASET_STAGE` / :func:`stage_of`: dataset name <-> stage name;
+- the metrics line's ``<stage>_s`` and ``<stage>_attempts`` keys.
+
+>>> DATA_STAGES
+('prompts', 'rollouts', 'rewards', 'logprobs', 'advantages', 'train')
+>>> dependants("rewards")
+('rewards', 'advantages', 'train')
+>>> REPLAY_INPUTS
+('rollouts', 'logprobs', 'advantages')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "DATASET_STAGE",
+    "DATA_STAGES",
+    "REPLAY_INPUTS",
+    "RETRIED_STAGES",
+    "STAGES",
+    "STEP_INPUTS",
+    "StageSpec",
+    "dependants",
+    "spec",
+    "stage_of",
+]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One data stage of a step."""
+
+    #: stage (and Prefect task) name, e.g. ``generate``
+    name: str
+    #: dataset it commits, e.g. ``rollouts``
+    output: str
+    #: datasets of the same step it reads (outputs of earlier stages)
+    inputs: tuple[str, ...] = ()
+    #: actors it calls (``policy``, ``generation``, ``reward_model``)
+    actors: tuple[str, ...] = ()
+    #: retried on actor faults (the flow re-plans recovery, then runs the step again)
+    retried: bool = False
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("prompts", "prompts"),
+    StageSpec("generate", "rollouts", ("prompts",), ("generation",), retried=True),
+    StageSpec("score", "rewards", ("rollouts",), ("reward_model",)),
+    StageSpec("logprob", "logprobs", ("rollouts",), ("policy",), retried=True),
+    StageSpec("advantages", "advantages", ("rollouts", "rewards")),
+    StageSpec("train", "train", ("rollouts", "logprobs", "advantages"), ("policy",), retried=True),
+)
+
+_BY_NAME = {s.name: s for s in STAGES}
+_BY_OUTPUT = {s.output: s for s in STAGES}
+
+#: The step's datasets, in pipeline order.
+DATA_STAGES: tuple[str, ...] = tuple(s.output for s in STAGES)
+#: dataset -> the stage that makes it
+DATASET_STAGE: dict[str, str] = {s.output: s.name for s in STAGES}
+#: What ``train`` reads (and a replay of it).
+REPLAY_INPUTS: tuple[str, ...] = _BY_NAME["train"].inputs
+#: A step's datasets before ``train``: recomputable, prunable.
+STEP_INPUTS: tuple[str, ...] = tuple(d for d in DATA_STAGES if d != "train")
+#: Stages retried on actor faults.
+RETRIED_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.retried)
+
+
+def spec(name: str) -> StageSpec:
+    """The spec of stage ``name`` (or of the stage whose output is ``name``)."""
+    found = _BY_NAME.get(name) or _BY_OUTPUT.get(name)
+    if found is None:
+        raise KeyError(f"no stage or dataset named {name!r}; stages: {[s.name for s in STAGES]}")
+    return found
+
+
+def stage_of(name: str) -> str:
+    """Stage name of a stage or dataset name (``rollouts`` -> ``generate``)."""
+    return spec(name).name
+
+
+def dependants(name: str) -> tuple[str, ...]:
+    """The output of stage/dataset ``name`` and every dataset that (transitively) reads it, in
+    pipeline order."""
+    hit = {spec(name).output}
+    for s in STAGES:  # pipeline order: inputs always come before their readers
+        if hit.intersection(s.inputs):
+            hit.add(s.output)
+    return tuple(d for d in DATA_STAGES if d in hit)

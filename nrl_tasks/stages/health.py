@@ -1,0 +1,80 @@
+"""Probing a run's actors: does every worker answer, and which weights does it hold?
+
+Each probe is one trivial call per worker, answered within :func:`probe_timeout_s` (dead,
+unreachable and stuck workers alike count as not answering; their calls are cancelled). The flow
+probes only when it plans a recovery (at the start of a run and after an actor fault), never on
+the happy path of a step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nrl_tasks.stages.resume_plan import ActorHealth
+
+__all__ = ["PROBE_TIMEOUT_S", "generation_responsive", "policy_responsive", "probe_actors", "probe_timeout_s"]
+
+#: How long a live worker may take to answer a trivial call before it counts as stuck (s);
+#: ``NRL_PROBE_TIMEOUT_S`` overrides it.
+PROBE_TIMEOUT_S = 30.0
+
+
+def probe_timeout_s() -> float:
+    return float(os.environ.get("NRL_PROBE_TIMEOUT_S", PROBE_TIMEOUT_S))
+
+
+def _probe(refs: list[Any], timeout_s: float) -> list[Any] | None:
+    import ray
+
+    try:
+        return ray.get(list(refs), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - dead, unreachable or stuck
+        for r in refs:
+            try:
+                ray.cancel(r)
+            except Exception:  # noqa: BLE001
+                pass
+        return None
+
+
+def policy_responsive(policy: Any, timeout_s: float | None = None) -> int | None:
+    """The live policy's weights version (every rank answers and agrees), else ``None``."""
+    if policy is None:
+        return None
+    try:
+        group = policy.worker_group
+    except RuntimeError:
+        return None
+    versions = _probe(group.run_all_workers_single_data("get_weights_version"), timeout_s or probe_timeout_s())
+    if not versions or len(set(versions)) != 1:
+        return None
+    policy._weights_version = int(versions[0])  # the driver handle's cache, refreshed
+    return int(versions[0])
+
+
+def generation_responsive(generation: Any, timeout_s: float | None = None) -> list[dict[str, Any]] | None:
+    """Every generation worker's ``{"weights_version", "stale", "rank"}``; ``None`` if one is dead or stuck."""
+    if generation is None:
+        return None
+    try:
+        refs = generation.worker_group.run_all_workers_single_data("get_weights_state")
+    except Exception:  # noqa: BLE001 - shut down
+        return None
+    return _probe(refs, timeout_s or probe_timeout_s())
+
+
+def probe_actors(actors: Any, *, target: int, policy_fresh: bool = False) -> ActorHealth:
+    """The :class:`ActorHealth` of a run's actors (``actors``: its ``RunActors``); the policy's
+    weights checksum is read only when it holds ``target``."""
+    pv = policy_responsive(actors.policy)
+    states = generation_responsive(actors.generation)
+    gv = None
+    if states:
+        versions = {None if st.get("stale") else st.get("weights_version") for st in states}
+        gv = versions.pop() if len(versions) == 1 else None
+    checksum = actors.policy.weights_checksum() if pv is not None and pv == target and target > 0 else None
+    return ActorHealth(
+        policy_version=pv, generation_version=gv, generation_alive=states is not None,
+        policy_checksum=checksum, policy_fresh=policy_fresh,
+    )

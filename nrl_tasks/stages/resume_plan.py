@@ -1,0 +1,190 @@
+"""One resume plan: from what storage holds and how the actors are, what recovery must do.
+
+:func:`plan_resume` is a pure function of two small records:
+
+- :class:`RunFacts` (read from storage by :func:`read_run_facts`): the trained prefix (steps
+  ``1..last`` with a committed ``train``), the committed checkpoints, the datasets missing from the
+  steps a replay would read, the weights checksum each ``train`` recorded;
+- :class:`ActorHealth` (probed by :func:`nrl_tasks.stages.health.probe_actors`): whether every
+  policy rank answers and which version it holds (and its weights checksum), whether the
+  generation workers answer and which version they hold.
+
+The plan (:class:`ResumePlan`) says:
+
+1. re-create the policy workers when a rank is dead or stuck, the generation workers likewise;
+2. keep a live policy when it holds exactly the run's weights after step ``last`` (version and
+   recorded checksum) and no replayed step needs repairs; otherwise **restore** the *anchor*, the
+   newest checkpoint at or before ``last`` (none: the initial weights, re-creating live actors that
+   hold others), and **replay** the ``train`` of every step after it from its persisted batches,
+   **recomputing** first the missing datasets of a replayed step (``--recompute``; only when its
+   ``train`` recorded a checksum, which the replay must then reproduce);
+3. **refit** the generation workers to ``last`` when they are re-created, stale, hold another
+   version, the policy was restored, or the caller asks (every resume starts with a full refit).
+
+The flow carries the plan out with one executor (:func:`flows.recovery.execute_plan`), at the
+start of every run and after every actor fault, before the failed step runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nrl_tasks.stages.errors import DamagedRunError
+from nrl_tasks.stages.graph import STEP_INPUTS
+
+__all__ = ["ActorHealth", "ResumePlan", "RunFacts", "plan_resume", "read_run_facts"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run's storage says."""
+
+    run_id: str
+    #: last step of the trained prefix (0: nothing trained)
+    last_trained: int
+    #: steps with a committed checkpoint, ascending
+    checkpoints: tuple[int, ...] = ()
+    #: step -> its datasets before ``train`` that are not committed (steps after the anchor only)
+    missing: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    #: step -> weights checksum its ``train`` recorded (``None``: none recorded)
+    checksums: Mapping[int, str | None] = field(default_factory=dict)
+
+    @property
+    def anchor(self) -> int:
+        """The newest checkpoint at or before ``last_trained`` (0: none)."""
+        return max((c for c in self.checkpoints if c <= self.last_trained), default=0)
+
+
+@dataclass(frozen=True)
+class ActorHealth:
+    """How the run's actors are (``None`` versions: dead, stuck, stale or disagreeing)."""
+
+    policy_version: int | None
+    generation_version: int | None
+    generation_alive: bool
+    #: the live policy's weights checksum (probed only when its version is the target)
+    policy_checksum: str | None = None
+    #: the policy actors were just created (hold the initial weights)
+    policy_fresh: bool = False
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What recovery does, in this order (see the module docstring)."""
+
+    #: the weights version the policy (and then the generation workers) must hold
+    target: int
+    recreate_policy: bool = False
+    recreate_generation: bool = False
+    #: checkpoint step to restore (0: the initial weights), ``None``: keep the live policy
+    restore_from: int | None = None
+    replay: tuple[int, ...] = ()
+    recompute: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    refit: bool = False
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def touches_actors(self) -> bool:
+        return bool(self.recreate_policy or self.recreate_generation or self.restore_from is not None or self.refit)
+
+    def describe(self) -> str:
+        if not self.touches_actors:
+            return f"nothing to do: the actors hold weights version {self.target}"
+        parts = []
+        if self.recreate_policy:
+            parts.append("re-create the policy workers")
+        if self.recreate_generation:
+            parts.append("re-create the generation workers")
+        if self.restore_from is not None:
+            parts.append(f"restore {'checkpoint ' + str(self.restore_from) if self.restore_from else 'the initial weights'}")
+        if self.recompute:
+            parts.append("recompute " + ", ".join(f"{s}: {'/'.join(d)}" for s, d in sorted(self.recompute.items())))
+        if self.replay:
+            parts.append(f"replay train of step(s) {', '.join(map(str, self.replay))}")
+        if self.refit:
+            parts.append(f"refit the generation workers to version {self.target}")
+        why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        return ", then ".join(parts) + why
+
+
+def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = False) -> ResumePlan:
+    """The recovery plan for ``facts`` and ``health`` (pure; see the module docstring).
+
+    ``DamagedRunError`` when a replayed step lacks datasets and recorded no checksum to verify
+    recomputed ones against.
+    """
+    last, anchor = facts.last_trained, facts.anchor
+    reasons: list[str] = []
+    repair = {s: tuple(facts.missing[s]) for s in range(anchor + 1, last + 1) if facts.missing.get(s)}
+    for s in sorted(repair):
+        if facts.checksums.get(s) is None:
+            raise DamagedRunError(
+                f"run {facts.run_id}: trained step {s} lacks {list(repair[s])} and its train recorded no weights "
+                "checksum (logger.weights_checksum=false), so recomputed inputs could not be verified; restore "
+                f"a checkpoint at or after step {s} instead"
+            )
+    recreate_policy = health.policy_version is None
+    if recreate_policy:
+        reasons.append("a policy rank is dead or does not answer")
+    want = facts.checksums.get(last) if last > 0 else None
+    live_ok = (
+        not recreate_policy
+        and health.policy_version == last
+        and (want is None or health.policy_checksum == want)
+        and not repair
+    )
+    if live_ok:
+        restore_from = None
+    else:
+        restore_from = anchor
+        if not recreate_policy:
+            if repair:
+                reasons.append(f"steps {sorted(repair)} lack datasets: restore and replay to recompute them")
+            elif health.policy_version != last:
+                reasons.append(f"the policy holds weights version {health.policy_version}, the run needs {last}")
+            else:
+                reasons.append(f"the live policy at version {last} does not hold the recorded weights")
+            # back to the initial weights without a checkpoint: live actors hold others
+            recreate_policy = anchor == 0 and not health.policy_fresh
+    recreate_generation = not health.generation_alive
+    if recreate_generation:
+        reasons.append("a generation worker is dead or does not answer")
+    # recomputing a replayed step's rollouts refits the workers to that step's weights first
+    refit = force_refit or recreate_generation or health.generation_version != last or bool(repair and restore_from is not None)
+    return ResumePlan(
+        target=last,
+        recreate_policy=recreate_policy,
+        recreate_generation=recreate_generation,
+        restore_from=restore_from,
+        replay=tuple(range(anchor + 1, last + 1)) if restore_from is not None else (),
+        recompute=repair if restore_from is not None else {},
+        refit=refit,
+        reasons=tuple(reasons),
+    )
+
+
+def read_run_facts(layout: Any, storage_options: dict[str, Any] | None = None, *, max_step: int | None = None) -> RunFacts:
+    """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix)."""
+    import storage
+
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    last = 0
+    checksums: dict[int, str | None] = {}
+    while max_step is None or last < max_step:
+        uri = layout.stage_uri(last + 1, "train")
+        if not storage.is_committed(uri, **kw):
+            break
+        last += 1
+        checksums[last] = storage.read_manifest(uri, **kw).meta.get("weights_checksum")
+    checkpoints = tuple(s for s, _ in list_checkpoints(layout.checkpoints_uri, storage_options))
+    anchor = max((c for c in checkpoints if c <= last), default=0)
+    missing = {}
+    for s in range(anchor + 1, last + 1):
+        gone = tuple(d for d in STEP_INPUTS if not storage.is_committed(layout.stage_uri(s, d), **kw))
+        if gone:
+            missing[s] = gone
+    return RunFacts(layout.run_id, last, checkpoints, missing, checksums)

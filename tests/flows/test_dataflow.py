@@ -1,0 +1,89 @@
+"""The step as Prefect records it, read back from Prefect's API for the session's finished tiny run
+(``e2e_run``: 3 steps, step 2's refit failed once and the step ran again): every step is a named
+subflow under the run's flow run, its stage task runs carry the run and stage tags, and their
+upstream edges are the data flow (train <- rollouts, logprobs, advantages; logprob <- generate;
+score <- generate; advantages <- generate, score; generate <- prompts; refit <- train).
+
+Plus the in-memory step (``flows/inmemory.py``, no Prefect, no persistence) on fresh actors ends
+with bit-identical weights: the flow and the readable loop are the same algorithm."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.flows.conftest import E2E_RUN_ID as RUN_ID
+
+#: stage -> {argument: upstream stage}
+EDGES = {
+    "generate": {"prompts": "prompts"},
+    "score": {"rollouts": "generate"},
+    "logprob": {"rollouts": "generate"},
+    "advantages": {"rollouts": "generate", "rewards": "score"},
+    "train": {"rollouts": "generate", "logprobs": "logprob", "advantages": "advantages"},
+    "refit": {"trained": "train"},
+}
+
+
+def _read_run():
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async def run():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=RUN_ID)))
+            tasks = []
+            for r in runs:
+                tasks += await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id]}), limit=200)
+            return runs, tasks
+
+    return asyncio.run(run())
+
+
+def _stage(task_run) -> str:
+    return task_run.name.split(f"-{RUN_ID}-", 1)[0]
+
+
+def test_steps_are_named_subflows_with_data_edges(e2e_run):
+    runs, tasks = _read_run()
+    parent = next(r for r in runs if r.name == RUN_ID)
+    by_name = {r.name: r for r in runs}
+    tracking = {t.id: t for t in tasks if t.flow_run_id == parent.id}
+    for step in (1, 2, 3):
+        sub = by_name[f"{RUN_ID}-step-{step:04d}" + ("-retry1" if step == 2 else "")]
+        assert sub.state.is_completed() and sub.parent_task_run_id in tracking  # a group under the run
+        assert f"run:{RUN_ID}" in sub.tags
+        inside = {_stage(t): t for t in tasks if t.flow_run_id == sub.id}
+        assert set(inside) >= {"prompts", "generate", "score", "logprob", "advantages", "train", "refit"}, sorted(inside)
+        for stage, t in inside.items():
+            assert {f"run:{RUN_ID}", f"stage:{stage}"} <= set(t.tags), (stage, t.tags)
+        for stage, args in EDGES.items():
+            got = inside[stage].task_inputs
+            for arg, upstream in args.items():
+                ids = {getattr(i, "id", None) for i in got.get(arg, [])}
+                assert ids == {inside[upstream].id}, (step, stage, arg, got.get(arg))
+            # the context is passed quoted: Prefect draws no edge through it
+            assert not got.get("ctx"), (stage, got.get("ctx"))
+
+
+def test_in_memory_loop_ends_bit_identical_to_the_flow(e2e_run, ray_session):
+    from flows.config import load_config
+    from flows.inmemory import run_in_memory
+    from flows.runtime import Runtime, load_tokenizer
+    from nrl_tasks.run_layout import RunLayout, namespace_for
+    from nrl_tasks.stages.data import load_prompt_records
+    from tests.faults.helpers import train_checksum
+    from tests.fixtures.grpo_runs import kill_run_actors
+
+    cfg = load_config(e2e_run["cfg"])
+    run_id = "inmemory-twin"
+    rt = Runtime(cfg=cfg, run_id=run_id, layout=RunLayout(cfg.storage.root, run_id), namespace=namespace_for(run_id),
+                 tokenizer=load_tokenizer(cfg))
+    try:
+        rt.start_policy(fresh=True)
+        rt.start_generation(fresh=True)
+        rows = run_in_memory(rt, cfg, cfg.grpo.max_num_steps, load_prompt_records(cfg.data, "train", cfg.grpo.seed))
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert rt.policy.weights_checksum() == train_checksum(e2e_run["root"], RUN_ID, 3)
+    finally:
+        rt.shutdown()
+        kill_run_actors(run_id)
