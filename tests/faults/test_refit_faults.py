@@ -3,11 +3,11 @@ run with two generation workers whose policy holds the reference run's weights a
 while the workers still hold the initial ones (so mixed weights would show):
 
 - a consumer SIGKILLed inside the packed broadcast: the attempt fails, the abort leaves the
-  surviving worker stale (it refuses ``generate`` for any version), the refit task's retry
+  surviving worker stale (it refuses ``generate`` for any version), the flow's recovery
   re-creates the dead worker (the group) and a new communicator, and every worker ends with
   exactly the policy's weights;
 - a consumer frozen (``SIGSTOP``: neither answers nor dies) inside the broadcast: the attempt
-  hits its deadline, is aborted, and the retry finds the worker unresponsive, re-creates it and
+  hits its deadline, is aborted, and the recovery finds the worker unresponsive, re-creates it and
   refits.
 """
 
@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from prefect.utilities.annotations import quote
 
 from tests.faults.helpers import read_fault_log
 from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_config
@@ -44,11 +45,13 @@ def two_worker_rt(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_pat
         },
     )
     cfg = load_config(data)
+    from flows.runtime import build_run_context
+
     rt = setup_runtime(cfg, RUN_ID)
     ck = os.path.join(e2e_run["root"], E2E_RUN_ID, "checkpoints", f"step_{VERSION:06d}")
     restore_checkpoint(rt.policy, ck)
     assert rt.policy.weights_version == VERSION and rt.generation.weights_version == 0
-    yield {"rt": rt, "cfg": cfg, "root": root}
+    yield {"rt": rt, "cfg": cfg, "root": root, "run": build_run_context(cfg, RUN_ID, rt, rt.tokenizer)}
     kill_run_actors(RUN_ID)
 
 
@@ -63,6 +66,24 @@ def _stale_refusal(worker, version) -> None:
     assert isinstance(ei.value.cause, StaleWeightsError), ei.value
 
 
+def _refit_like_the_flow(run, step: int):
+    """What the flow does about a failed refit: the attempt fails (aborted, recorded on the run), the
+    workers that are dead or stuck are re-created (:mod:`flows.recovery`), the refit runs again."""
+    from flows.runtime import recreate_generation
+    from nrl_tasks.stages.errors import is_actor_fault
+    from nrl_tasks.stages.health import generation_responsive
+    from nrl_tasks.stages.refit import refit
+
+    ctx = quote(run.step(step))
+    try:
+        return refit(ctx, None, VERSION, force=True)
+    except Exception as exc:  # noqa: BLE001 - inspected
+        assert is_actor_fault(exc), repr(exc)
+    if generation_responsive(run.generation) is None:
+        recreate_generation(run.actors, "a worker is dead or does not answer")
+    return refit(ctx, None, VERSION, force=True)
+
+
 def _env(**kv):
     for k, v in kv.items():
         if v is None:
@@ -72,16 +93,19 @@ def _env(**kv):
 
 
 def test_consumer_killed_mid_broadcast_survivor_stale_then_retry(two_worker_rt, tmp_path):
-    from nrl_tasks.stages import faults
     from nrl_tasks.stages.errors import is_actor_fault
-    from nrl_tasks.stages.refit import abort_refit, refit, refit_weights
+    from nrl_tasks.stages.refit import abort_refit, refit_weights
+    from tests.faults import injection as faults
 
     rt, cfg = two_worker_rt["rt"], two_worker_rt["cfg"]
     log = str(tmp_path / "faults.jsonl")
     _env(**{faults.ACTOR_ENV_VAR: "generation#1:refit@301:sigkill", faults.LOG_ENV_VAR: log})
     try:
         with pytest.raises(Exception) as ei:
-            refit_weights(rt.policy, rt.generation, VERSION, timeout_s=8.0, step=301)
+            refit_weights(
+                rt.policy, rt.generation, VERSION, timeout_s=8.0,
+                on_actor_call=lambda role, workers: faults.arm_actor_kill(role, "refit", 301, workers),
+            )
     finally:
         _env(**{faults.ACTOR_ENV_VAR: None, faults.LOG_ENV_VAR: None})
     assert is_actor_fault(ei.value), repr(ei.value)
@@ -99,8 +123,8 @@ def test_consumer_killed_mid_broadcast_survivor_stale_then_retry(two_worker_rt, 
         assert state["weights_version"] == VERSION
         assert ray.get(rt.generation.workers[0].weights_checksum.remote()) == rt.policy.weights_checksum()
 
-    out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, VERSION, force=True, step=302)
-    assert out["attempts"] == 2 and out["weights_version"] == VERSION
+    out = _refit_like_the_flow(two_worker_rt["run"], 302)
+    assert out.attempts == 2 and out.weights_version == VERSION  # the first attempt met the dead worker
     assert rt.generation.weights_version == VERSION
     assert rt.generation.weights_checksum() == rt.policy.weights_checksum()
 
@@ -108,8 +132,7 @@ def test_consumer_killed_mid_broadcast_survivor_stale_then_retry(two_worker_rt, 
 def test_consumer_frozen_mid_broadcast_deadline_then_retry(two_worker_rt, tmp_path):
     import psutil
 
-    from nrl_tasks.stages import faults
-    from nrl_tasks.stages.refit import refit
+    from tests.faults import injection as faults
 
     rt, cfg = two_worker_rt["rt"], two_worker_rt["cfg"]
     rt.generation.mark_stale()  # force a full refit below (workers hold VERSION after the test above)
@@ -117,7 +140,7 @@ def test_consumer_frozen_mid_broadcast_deadline_then_retry(two_worker_rt, tmp_pa
     _env(**{faults.ACTOR_ENV_VAR: "generation#0:refit@401:freeze", faults.LOG_ENV_VAR: log, "NRL_PROBE_TIMEOUT_S": "3"})
     t0 = time.monotonic()
     try:
-        out = refit.with_options(retries=2, retry_delay_seconds=1)(cfg, RUN_ID, VERSION, force=True, step=401)
+        out = _refit_like_the_flow(two_worker_rt["run"], 401)
     finally:
         _env(**{faults.ACTOR_ENV_VAR: None, faults.LOG_ENV_VAR: None, "NRL_PROBE_TIMEOUT_S": None})
         for e in read_fault_log(log):  # the frozen process is ours to end
@@ -129,8 +152,8 @@ def test_consumer_frozen_mid_broadcast_deadline_then_retry(two_worker_rt, tmp_pa
     events = read_fault_log(log)
     assert events and events[0]["how"] == "freeze" and events[0]["fired"] is True
     assert not psutil.pid_exists(events[0]["pid"]) or psutil.Process(events[0]["pid"]).status() == psutil.STATUS_ZOMBIE
-    assert out["attempts"] == 2 and len(out["failed_attempts"]) == 1
-    failure = out["failed_attempts"][0]
+    assert out.attempts == 2 and len(out.get("failed_attempts")) == 1
+    failure = out.get("failed_attempts")[0]
     assert "deadline" in failure["error"], failure
     assert failure["generation"][0]["alive"] is None  # frozen: did not answer the abort
     assert failure["generation"][1]["alive"] is not False and failure["generation"][1].get("stale", True)
