@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if base is not None:
         b_over = [w - c for w, c in list(zip(base["wall"], base["compute"]))[warm] if c is not None]
         b_in = statistics.median(b_over)
-        print(f"\n### before and after: per-step orchestration overhead (step wall - actor work), ms\n")
-        print(f"| code | overhead ms/step | step wall s |\n|---|---:|---:|")
+        print("\n### before and after: per-step orchestration overhead (step wall - actor work), ms\n")
+        print("| code | overhead ms/step | step wall s |\n|---|---:|---:|")
         print(f"| baseline {args.baseline_ref} | {b_in * 1000:.1f} | {statistics.median(base['wall'][warm]):.4f} |")
         print(f"| this tree | {in_run * 1000:.1f} | {flow_step:.4f} |")
         sub = statistics.median(c["prefect_subflow"] for c in flow_comps[warm])

@@ -102,7 +102,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from flows.grpo import resolve_config
     from flows.run_layout import RunLayout, validate_run_id
     from flows.recompute import check_resume_data, plan_recompute
-    from flows.run_state import check_config_hash, parse_recompute
+    from flows.recompute import parse_recompute
+    from flows.run_state import check_config_hash
 
     try:
         run_id = validate_run_id(args.run_id)

@@ -38,16 +38,14 @@ from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import MasterConfig, load_config
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
-from flows.recompute import apply_recompute, check_resume_data
+from flows.recompute import apply_recompute, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
 from flows.step import StepPlan
 from flows.run_state import (
     check_storage_root,
     init_run,
-    parse_recompute,
     read_status,
     saved_config_data,
-    trained_prefix,
     write_status,
 )
 from flows.run_process import current_process, reap_local_ray, this_host
@@ -144,6 +142,7 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     last = restored["plan"].target
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     budget = RetryBudget(cfg)
+    pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
     progress = ProgressHandle(run.run_id)
     publisher = BackgroundPublisher()
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
@@ -161,7 +160,7 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
 
             refs = run_step(run, step, call, budget, log=logger)
             publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)
-            apply_retention(layout, retention, step, opts)
+            apply_retention(layout, retention, step, opts, pruned=pruned)
             if step > last:
                 step_wall.append(time.perf_counter() - t0)
     finally:

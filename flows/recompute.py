@@ -27,18 +27,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flows.run_state import RECOMPUTE_ALIASES, trained_prefix
+from flows.run_state import trained_prefix
 from nrl_tasks.run_layout import DATA_STAGES, RunLayout
 from nrl_tasks.stages import graph
 from nrl_tasks.stages.errors import DamagedRunError
+from nrl_tasks.stages.graph import STAGES, dependants
 
 __all__ = [
     "DATASET_STAGE",
+    "RECOMPUTE_ALIASES",
     "DamagedDataset",
     "DamagedRunError",
     "apply_recompute",
     "check_resume_data",
     "find_damaged",
+    "parse_recompute",
     "plan_recompute",
     "resume_window",
 ]
@@ -53,6 +56,29 @@ _OWN: dict[str, tuple[str, ...]] = {
     "val": ("val",),
     "validate": ("val",),
 }
+
+
+#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step: the
+#: stage's output and everything that reads it (from the stage graph).
+RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = {
+    **{s.name: dependants(s.name) for s in STAGES},
+    **{s.output: dependants(s.name) for s in STAGES},
+    "val": ("val",),
+    "validate": ("val",),
+}
+
+
+def parse_recompute(specs: list[str] | None) -> list[tuple[str, int]]:
+    """``["generate@3"]`` -> ``[("generate", 3)]``; ``ValueError`` naming a bad item."""
+    out = []
+    for spec in specs or []:
+        stage, sep, step = str(spec).partition("@")
+        if not sep or stage not in RECOMPUTE_ALIASES or not step.isdigit() or int(step) < 1:
+            raise ValueError(
+                f"--recompute {spec!r}: expected STAGE@STEP with STAGE one of {sorted(RECOMPUTE_ALIASES)} and STEP >= 1"
+            )
+        out.append((stage, int(step)))
+    return out
 
 
 @dataclass(frozen=True)

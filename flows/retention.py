@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -174,10 +173,6 @@ def plan_retention(
 # ----------------------------------------------------------------------------------------------
 # applying a plan to storage
 
-_PRUNED: dict[str, set[int]] = {}  # run URI -> steps whose batches this process already deleted
-_LOCK = threading.Lock()
-
-
 def _step_has_batches(layout: RunLayout, step: int, opts: dict[str, Any] | None) -> bool:
     from storage import fs
 
@@ -231,11 +226,14 @@ def apply_retention(
     policy: RetentionPolicy,
     last_trained: int,
     storage_options: dict[str, Any] | None = None,
+    *,
+    pruned: set[int] | None = None,
 ) -> dict[str, Any]:
     """Plan and carry out retention for a run after step ``last_trained`` has finished.
 
     Returns ``{"anchor", "deleted_steps", "deleted_checkpoints", "kept_checkpoints"}``.
-    Cheap when nothing is due: each step's directory is inspected once per process.
+    ``pruned``: the caller's record of the steps found without batches (the flow keeps one per
+    run and passes it every step, so each step's directory is inspected once; updated in place).
     """
     result: dict[str, Any] = {"anchor": None, "deleted_steps": [], "deleted_checkpoints": [], "kept_checkpoints": []}
     if not policy.active:
@@ -245,8 +243,7 @@ def apply_retention(
 
     cks = list_checkpoints(layout.checkpoints_uri, storage_options)
     ck_uri = dict(cks)
-    with _LOCK:
-        pruned = set(_PRUNED.get(layout.run_uri, set()))
+    pruned = pruned if pruned is not None else set()
     candidates: list[int] = []
     if policy.keep_last_k_steps is not None:
         for s in existing_steps(layout, storage_options):
@@ -265,8 +262,6 @@ def apply_retention(
     for s in plan.delete_steps:
         delete_step_batches(layout, s, storage_options)
         pruned.add(s)
-    with _LOCK:
-        _PRUNED[layout.run_uri] = pruned
     if plan.delete_steps or plan.delete_checkpoints:
         logger.info(
             "retention of %s: deleted batches of steps %s, checkpoints %s (anchor %s)",

@@ -13,20 +13,17 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, saved_config_hash
+from flows.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
 from nrl_tasks.run_layout import RunLayout, parse_step_dir
-from nrl_tasks.stages.graph import STAGES, dependants
 
 __all__ = [
-    "RECOMPUTE_ALIASES",
     "check_storage_root",
     "init_run",
     "list_runs",
-    "parse_recompute",
     "read_status",
     "trained_prefix",
     "write_status",
@@ -41,50 +38,6 @@ def _fs():
 
 def _opts(cfg: MasterConfig) -> dict[str, Any] | None:
     return cfg.storage.storage_options or None
-
-
-def normalize_root(root: str) -> str:
-    """Absolute local paths (actors may run with another cwd); URIs unchanged."""
-    if "://" in root and not root.startswith("file://"):
-        return root.rstrip("/") or root
-    path = root[len("file://") :] if root.startswith("file://") else root
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def check_storage_root(root: str, storage_options: dict[str, Any] | None = None) -> str:
-    """Validate a storage root before anything starts; return it normalised.
-
-    Local: the directory exists or can be created, and is writable. ``s3://bucket/prefix``: the
-    bucket is reachable. Anything else: ``ValueError`` naming the URI.
-    """
-    if not isinstance(root, str) or not root.strip():
-        raise ValueError("storage root is empty")
-    scheme = root.split("://", 1)[0] if "://" in root else ""
-    if scheme not in ("", "file", "s3", "s3a"):
-        raise ValueError(f"storage root {root!r}: unsupported scheme {scheme!r} (use a local path, file:// or s3://)")
-    norm = normalize_root(root)
-    if scheme in ("s3", "s3a"):
-        bucket = norm.split("://", 1)[1].split("/", 1)[0]
-        if len(bucket) < 3:
-            raise ValueError(f"storage root {root!r}: invalid bucket name {bucket!r}")
-        try:
-            ok = _fs().exists(f"{scheme}://{bucket}", storage_options=storage_options)
-        except Exception as exc:  # noqa: BLE001 - endpoint down, credentials, ...
-            raise ValueError(f"storage root {root!r} is not reachable: {type(exc).__name__}: {exc}") from None
-        if not ok:
-            raise ValueError(f"storage root {root!r}: bucket {bucket!r} does not exist")
-        return norm
-    try:
-        os.makedirs(norm, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"storage root {root!r} cannot be created: {exc.strerror or exc}") from None
-    if not os.path.isdir(norm):
-        raise ValueError(f"storage root {root!r} is not a directory")
-    try:  # a real write: permission bits say nothing when running as root or on read-only mounts
-        _fs().check_writable(norm)
-    except OSError as exc:
-        raise ValueError(f"storage root {root!r} is not writable: {exc}") from None
-    return norm
 
 
 def read_status(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -159,29 +112,6 @@ def trained_prefix(layout: RunLayout, max_step: int | None = None, storage_optio
             break
         k += 1
     return k
-
-
-#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step: the
-#: stage's output and everything that reads it (from the stage graph).
-RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = {
-    **{s.name: dependants(s.name) for s in STAGES},
-    **{s.output: dependants(s.name) for s in STAGES},
-    "val": ("val",),
-    "validate": ("val",),
-}
-
-
-def parse_recompute(specs: list[str] | None) -> list[tuple[str, int]]:
-    """``["generate@3"]`` -> ``[("generate", 3)]``; ``ValueError`` naming a bad item."""
-    out = []
-    for spec in specs or []:
-        stage, sep, step = str(spec).partition("@")
-        if not sep or stage not in RECOMPUTE_ALIASES or not step.isdigit() or int(step) < 1:
-            raise ValueError(
-                f"--recompute {spec!r}: expected STAGE@STEP with STAGE one of {sorted(RECOMPUTE_ALIASES)} and STEP >= 1"
-            )
-        out.append((stage, int(step)))
-    return out
 
 
 def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

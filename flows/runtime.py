@@ -20,15 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flows.config import MasterConfig
-from flows.ray_session import (  # noqa: F401 - names kept importable from here
-    RAY_THREAD_PREFIXES,
-    _ray_threads_finished,
-    connect_ray,
-    local_ray_cpus,
-    local_ray_session,
-    ray_connected,
-    shutdown_local_ray,
-)
+from flows.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, namespace_for
 from nrl_tasks.stages.context import Observers, RunContext
 

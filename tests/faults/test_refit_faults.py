@@ -97,7 +97,7 @@ def test_consumer_killed_mid_broadcast_survivor_stale_then_retry(two_worker_rt, 
     from nrl_tasks.stages.refit import abort_refit, refit_weights
     from tests.faults import injection as faults
 
-    rt, cfg = two_worker_rt["rt"], two_worker_rt["cfg"]
+    rt = two_worker_rt["rt"]
     log = str(tmp_path / "faults.jsonl")
     _env(**{faults.ACTOR_ENV_VAR: "generation#1:refit@301:sigkill", faults.LOG_ENV_VAR: log})
     try:
@@ -134,7 +134,7 @@ def test_consumer_frozen_mid_broadcast_deadline_then_retry(two_worker_rt, tmp_pa
 
     from tests.faults import injection as faults
 
-    rt, cfg = two_worker_rt["rt"], two_worker_rt["cfg"]
+    rt = two_worker_rt["rt"]
     rt.generation.mark_stale()  # force a full refit below (workers hold VERSION after the test above)
     log = str(tmp_path / "faults.jsonl")
     _env(**{faults.ACTOR_ENV_VAR: "generation#0:refit@401:freeze", faults.LOG_ENV_VAR: log, "NRL_PROBE_TIMEOUT_S": "3"})

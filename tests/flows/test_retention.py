@@ -163,7 +163,8 @@ def test_apply_retention_on_disk(tmp_path):
     lay = _fake_run(root, "r1", steps=7, ck_steps=[2, 4, 6], val={2: 0.9, 4: 0.1, 6: 0.3})
     before = _du(lay.run_uri)
     pol = RetentionPolicy(keep_last_k_steps=2, keep_last_n_checkpoints=1, keep_top_k_checkpoints=1)
-    out = apply_retention(lay, pol, last_trained=7)
+    seen: set[int] = set()
+    out = apply_retention(lay, pol, last_trained=7, pruned=seen)
     assert out["anchor"] == 6
     assert out["deleted_checkpoints"] == [4]
     assert [s for s, _ in list_checkpoints(lay.checkpoints_uri)] == [2, 6]
@@ -182,9 +183,9 @@ def test_apply_retention_on_disk(tmp_path):
     for stage in PRUNABLE_STAGES:
         storage.load_batch(lay.stage_uri(7, stage))
     assert _du(lay.run_uri) < before
-    # idempotent, and a fresh process (no cache) finds nothing more to do
-    assert apply_retention(lay, pol, last_trained=7)["deleted_steps"] == []
-    retention._PRUNED.clear()
+    # idempotent, and a fresh process (no record of what it pruned) finds nothing more to do
+    assert seen == {1, 2, 3, 4, 5}
+    assert apply_retention(lay, pol, last_trained=7, pruned=seen)["deleted_steps"] == []
     again = apply_retention(lay, pol, last_trained=7)
     assert again["deleted_steps"] == [] and again["deleted_checkpoints"] == []
 
