@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from flows.config import load_config
+from flows.config import MasterConfig, load_config
 from flows.runtime import build_run_context
 from nrl_tasks.stages.context import Observers
 from nrl_tasks.stages.runner import committed_ref, save_output
@@ -98,3 +98,41 @@ def test_recovery_notes_go_to_the_next_commit_only(ctx1):
     c.run.recovery_notes = {"advantages": {"recovered": True, "replayed": "1"}}
     out = advantages.fn(c, rollouts, rewards)
     assert out.get("recovered") is True and out.get("replayed") == "1" and "advantages" not in c.run.recovery_notes
+
+
+class _Watched(MasterConfig):
+    """A config that counts how often something walks its fields (what Prefect's input visitor does)."""
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_prefect_neither_walks_nor_links_the_quoted_context(tmp_path, prefect_harness):
+    """The flow hands each task ``quote(ctx)``: the task gets the context itself, Prefect does not
+    visit the run's config, actors or tokenizer, and records no input edge through it."""
+    from prefect import flow, task
+    from prefect.utilities.annotations import quote
+
+    from nrl_tasks.stages.runner import TASK_DEFAULTS
+
+    cfg = _Watched.model_validate(load_config(TINY, [f"storage.root={tmp_path}", "grpo.seed=7"]).model_dump())
+    actors = types.SimpleNamespace(namespace="-", policy=None, generation=None, reward_model=None)
+    run = build_run_context(cfg, "quoted", actors, tokenizer=None)
+
+    @task(name="probe", task_run_name="probe-{ctx.run_id}", **TASK_DEFAULTS)
+    def probe(ctx):
+        from prefect.runtime import task_run
+
+        return ctx is run, ctx.cfg.grpo.seed, task_run.name
+
+    @flow(persist_result=False)
+    def go(quoted: bool):
+        return probe(quote(run) if quoted else run)
+
+    _Watched.walks = 0
+    same, seed, name = go(True)
+    assert same and seed == 7 and name == "probe-quoted"
+    assert _Watched.walks == 0
+    go(False)  # the same context unquoted: Prefect visits its fields (the config among them)
+    assert _Watched.walks > 0
