@@ -28,7 +28,7 @@ from prefect.utilities.annotations import quote
 
 from flows.runtime import recreate_generation, recreate_policy
 from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.errors import is_actor_fault
+from nrl_tasks.stages.errors import exception_chain, is_actor_fault
 from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
 from nrl_tasks.stages.health import probe_actors
 from nrl_tasks.stages.refs import StepRefs
@@ -110,7 +110,7 @@ class RetryBudget:
         if stage == "refit":
             from nrl_tasks.utils.refit import RefitMismatchError
 
-            return not _caused_by(exc, RefitMismatchError)
+            return not any(isinstance(e, RefitMismatchError) for e in exception_chain(exc))
         return (stage in RETRIED_STAGES or stage in _RETRIED_ACTIONS) and is_actor_fault(exc)
 
     def take(self, step: int, stage: str) -> float | None:
@@ -127,17 +127,6 @@ def _delays(value: Any) -> list[float]:
     if isinstance(value, (int, float)):
         return [float(value)]
     return [float(v) for v in value]
-
-
-def _caused_by(exc: BaseException | None, kind: type) -> bool:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, kind):
-            return True
-        cause = getattr(exc, "cause", None)
-        exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
-    return False
 
 
 def run_step(run: RunContext, step: int, call: Callable[[int], StepRefs], budget: RetryBudget, *, log: Any = None) -> StepRefs:

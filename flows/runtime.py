@@ -196,22 +196,24 @@ def _kill_group(rt: Runtime, role: str, prefix: str) -> None:
         pass
 
 
+def _recreate(rt: Runtime, role: str, reason: str, log: Any) -> None:
+    """Kill the ``role`` worker group and start fresh actors (initial weights, version 0)."""
+    what = {"policy": "policy workers", "generation": "generation workers"}[role]
+    log.warning("re-creating the %s: %s", what, reason)
+    t = time.perf_counter()
+    _kill_group(rt, role, {"policy": "lm_policy", "generation": "generation"}[role])
+    (rt.start_policy if role == "policy" else rt.start_generation)(fresh=True)
+    log.warning("%s re-created in %.1fs", what, time.perf_counter() - t)
+
+
 def recreate_policy(rt: Runtime, reason: str, log: Any = logger) -> None:
     """Kill the policy worker group and start fresh actors (initial weights, version 0)."""
-    log.warning("re-creating the policy workers: %s", reason)
-    t = time.perf_counter()
-    _kill_group(rt, "policy", "lm_policy")
-    rt.start_policy(fresh=True)
-    log.warning("policy workers re-created in %.1fs", time.perf_counter() - t)
+    _recreate(rt, "policy", reason, log)
 
 
 def recreate_generation(rt: Runtime, reason: str, log: Any = logger) -> None:
     """Kill the generation worker group and start fresh workers (initial weights, version 0)."""
-    log.warning("re-creating the generation workers: %s", reason)
-    t = time.perf_counter()
-    _kill_group(rt, "generation", "generation")
-    rt.start_generation(fresh=True)
-    log.warning("generation workers re-created in %.1fs", time.perf_counter() - t)
+    _recreate(rt, "generation", reason, log)
 
 
 def setup_runtime(

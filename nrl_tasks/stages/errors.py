@@ -8,11 +8,14 @@ faults: they fail the run with their own message.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "DEFAULT_STAGE_RETRIES",
     "DEFAULT_STAGE_RETRY_DELAY_S",
     "DamagedRunError",
     "StalePolicyError",
+    "exception_chain",
     "is_actor_fault",
 ]
 
@@ -51,17 +54,24 @@ def _fault_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then what it wraps: a ``RayTaskError``'s worker exception (``.cause``), else
+    ``__cause__`` / ``__context__``; each exception once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        cause = getattr(exc, "cause", None)
+        exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
+
+
 def is_actor_fault(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or what it wraps) means a dead, stuck or stale actor: worth a retry
     after recovery. Bad data, bad config and storage damage are not."""
     types = _fault_types()
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, DamagedRunError):
+    for e in exception_chain(exc):
+        if isinstance(e, DamagedRunError):
             return False
-        if isinstance(exc, types):
+        if isinstance(e, types):
             return True
-        cause = getattr(exc, "cause", None)  # RayTaskError wraps the worker's exception
-        exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
     return False
