@@ -46,6 +46,7 @@ from flows.run_state import (
     init_run,
     read_status,
     saved_config_data,
+    trained_prefix,
     write_status,
 )
 from flows.run_process import current_process, reap_local_ray, this_host
@@ -137,7 +138,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     logger = get_run_logger()
     layout, opts = run.layout, run.storage_options
     max_steps = cfg.grpo.max_num_steps
-    force = bool(resume or getattr(run.actors, "generation_attached", False))
+    # every resume starts with a full refit (also a Prefect retry, which keeps resume=False)
+    force = bool(resume or getattr(run.actors, "generation_attached", False) or trained_prefix(layout, 1, opts))
     restored = recover(run, max_steps, force_refit=force, policy_fresh=policy_fresh, log=logger)
     last = restored["plan"].target
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
@@ -147,7 +149,7 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     publisher = BackgroundPublisher()
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
-        validate(quote(run.step(0)), None, 0)
+        run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
     step_wall: list[float] = []
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):

@@ -14,21 +14,18 @@ Sequence (one attempt, :func:`refit_weights`):
 
 The attempt runs under a hard deadline (``grpo.refit.timeout_s``): the broadcast group's own
 timeout makes a blocked collective raise inside the actors, and a watchdog thread bounds the
-driver (Prefect's timeouts cannot interrupt a blocking call). The Prefect task retries with
-backoff (``grpo.refit.retries``, ``grpo.refit.retry_delay_s``).
+driver (Prefect's timeouts cannot interrupt a blocking call).
 
 A failed attempt is aborted cleanly (:func:`abort_refit`): every generation worker that still
 answers is (still) marked stale, read from its control thread even while its main thread is
-blocked, and the producer's broadcast group is closed. Before a retry, a generation worker that
-is dead or stuck is re-created (the whole group: fresh workers hold the initial weights, and the
-refit below replaces them) and a dead or stuck producer is re-created and restored to the
-version (last checkpoint + replay of the persisted train stages); the new attempt then builds a
-new communicator on a fresh port. The result lists the failed attempts (``failed_attempts``:
-error and the workers' state after the abort).
-
-The task itself does not retry: a failed refit fails the step, and the flow re-plans (re-creating
-a dead or stuck worker on either side, restoring the producer if needed) and runs the step again
-under ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s`` (:mod:`flows.recovery`).
+blocked, and the producer's broadcast group is closed; the failure is recorded on the run. The
+task itself does not retry: a failed refit fails the step, and the flow's recovery
+(:mod:`flows.recovery`) re-creates a dead or stuck worker on either side (fresh generation
+workers hold the initial weights; a fresh producer is restored to the version from the last
+checkpoint and the persisted train stages), refits over a new communicator on a fresh port and
+runs the step again, under ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s``. The refit that
+succeeds lists the failed attempts (``failed_attempts``: error and the workers' state after the
+abort).
 """
 
 from __future__ import annotations
