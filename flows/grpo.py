@@ -148,6 +148,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     progress = ProgressHandle(run.run_id)
     publisher = BackgroundPublisher()
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
+    # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
+    step_fn = grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
         run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
     step_wall: list[float] = []
@@ -158,7 +160,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
             ctx = run.step(step)
 
             def call(attempt: int, ctx=ctx, plan=plan) -> Any:
-                return grpo_step(quote(ctx), replace(plan, attempt=attempt))
+                with tags(f"step:{ctx.step:04d}"):
+                    return step_fn(quote(ctx), replace(plan, attempt=attempt))
 
             refs = run_step(run, step, call, budget, log=logger)
             publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)
@@ -168,6 +171,16 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     finally:
         publisher.close()
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall}
+
+
+def _inline(fn: Any) -> Any:
+    """``grpo_step``'s body called in the run's flow run (the context arrives quoted, as Prefect
+    would hand it over unwrapped)."""
+
+    def call(ctx: Any, plan: StepPlan) -> Any:
+        return fn(ctx.unquote() if hasattr(ctx, "unquote") else ctx, plan)
+
+    return call
 
 
 @flow(name="grpo", flow_run_name=_flow_run_name, validate_parameters=False, persist_result=False)

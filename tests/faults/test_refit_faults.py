@@ -45,13 +45,14 @@ def two_worker_rt(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_pat
         },
     )
     cfg = load_config(data)
+    from flows.plugins import load_observers
     from flows.runtime import build_run_context
 
     rt = setup_runtime(cfg, RUN_ID)
     ck = os.path.join(e2e_run["root"], E2E_RUN_ID, "checkpoints", f"step_{VERSION:06d}")
     restore_checkpoint(rt.policy, ck)
     assert rt.policy.weights_version == VERSION and rt.generation.weights_version == 0
-    yield {"rt": rt, "cfg": cfg, "root": root, "run": build_run_context(cfg, RUN_ID, rt, rt.tokenizer)}
+    yield {"rt": rt, "cfg": cfg, "root": root, "run": build_run_context(cfg, RUN_ID, rt, rt.tokenizer, load_observers())}
     kill_run_actors(RUN_ID)
 
 

@@ -87,3 +87,38 @@ def test_in_memory_loop_ends_bit_identical_to_the_flow(e2e_run, ray_session):
     finally:
         rt.shutdown()
         kill_run_actors(run_id)
+
+
+def test_without_step_subflows_the_tasks_join_the_run_flow_with_the_same_edges(prefect_harness, ray_session, tiny_model_dir, tmp_path):
+    """``logger.step_subflows=false``: no subflow, the step's task runs sit in the run's flow run,
+    tagged ``step:0001``, with the same data edges."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.grpo import grpo
+    from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
+
+    run_id = "flat-steps"
+    cfg = tiny_run_config(
+        tiny_model_dir, str(tmp_path), ray_session,
+        **{"grpo.max_num_steps": 1, "checkpointing.enabled": False, "logger.step_subflows": False},
+    )
+    try:
+        grpo(config=cfg, run_id=run_id)
+    finally:
+        kill_run_actors(run_id)
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in runs]}), limit=200)
+            return runs, tasks
+
+    runs, tasks = asyncio.run(read())
+    assert [r.name for r in runs] == [run_id]
+    inside = {t.name.split(f"-{run_id}-", 1)[0]: t for t in tasks if f"-{run_id}-" in t.name}
+    assert {"prompts", "generate", "score", "logprob", "advantages", "train", "refit"} <= set(inside)
+    assert all({"step:0001", f"run:{run_id}"} <= set(t.tags) for t in inside.values()), {n: t.tags for n, t in inside.items()}
+    train_in = {k: {i.id for i in v} for k, v in inside["train"].task_inputs.items() if k != "__parents__"}
+    assert train_in == {"rollouts": {inside["generate"].id}, "logprobs": {inside["logprob"].id},
+                        "advantages": {inside["advantages"].id}}
