@@ -1,7 +1,8 @@
 """The same GRPO steps as the flow, as a plain Python loop with batches kept in memory.
 
-No Prefect, no persistence: the baseline of ``benchmarks/bench_pipeline.py`` (and a reference
-for tests: with the same config and seed it must end with bit-identical weights to the flow).
+No Prefect, no persistence: the baseline of ``benchmarks/bench_pipeline.py``, and the proof that
+the flow is this algorithm: with the same config and seed it ends with bit-identical weights to
+the flow (``tests/flows/test_dataflow.py``, in ``make test``).
 It calls the same stage functions (``build_prompt_batch``, ``rollouts_from_generation``,
 ``compute_rewards``, ``compute_logprobs``, ``compute_advantages``, ``build_train_data``,
 ``run_train``, ``refit_weights``) on the same kind of actors.
