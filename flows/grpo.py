@@ -142,6 +142,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     force = bool(resume or getattr(run.actors, "generation_attached", False) or trained_prefix(layout, 1, opts))
     restored = recover(run, max_steps, force_refit=force, policy_fresh=policy_fresh, log=logger)
     last = restored["plan"].target
+    if restored["restored_from"] == "live" and last > 0 and getattr(run.actors, "policy_attached", False):
+        logger.info("attached to live policy actors at weights version %d", last)
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     budget = RetryBudget(cfg)
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
@@ -160,8 +162,7 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
             ctx = run.step(step)
 
             def call(attempt: int, ctx=ctx, plan=plan) -> Any:
-                with tags(f"step:{ctx.step:04d}"):
-                    return step_fn(quote(ctx), replace(plan, attempt=attempt))
+                return step_fn(quote(ctx), replace(plan, attempt=attempt))
 
             refs = run_step(run, step, call, budget, log=logger)
             publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)

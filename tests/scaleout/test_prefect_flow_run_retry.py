@@ -87,9 +87,13 @@ def _start_run(stack: PrefectStack, parameters: dict) -> str:
 
 
 def _grpo_runs(stack: PrefectStack) -> list:
+    """The top-level flow runs (a run's steps are subflow runs under its flow run)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
+
     async def go():
         async with stack.client() as c:
-            return await c.read_flow_runs(limit=50)
+            top = FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True))
+            return await c.read_flow_runs(flow_run_filter=top, limit=50)
 
     return asyncio.run(go())
 
