@@ -31,7 +31,7 @@ from typing import Any
 
 from dataclasses import replace
 
-from prefect import flow, get_run_logger, tags
+from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
@@ -40,7 +40,7 @@ from flows.metrics import read_metrics
 from flows.plugins import load_observers
 from flows.recompute import apply_recompute, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
-from flows.step import StepPlan
+from flows.step import StepPlan, tag_flow_run
 from flows.run_state import (
     check_storage_root,
     init_run,
@@ -165,6 +165,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
                 return step_fn(quote(ctx), replace(plan, attempt=attempt))
 
             refs = run_step(run, step, call, budget, log=logger)
+            if refs.flow_run_id:
+                publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
             publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)
             apply_retention(layout, retention, step, opts, pruned=pruned)
             if step > last:
@@ -231,7 +233,8 @@ def grpo(
     observers = load_observers()
     rt = None
     try:
-        with retry_policy(cfg.storage.retry.policy()), tags(f"run:{run_id}"):
+        tag_flow_run(fid, run_id)
+        with retry_policy(cfg.storage.retry.policy()):
             rt = setup_runtime(cfg, run_id, on_connect=record_ray)
             run = build_run_context(cfg, run_id, rt, rt.tokenizer, observers, records=rt.records)
             info = run_grpo_steps(run, chash=chash, resume=resume, policy_fresh=not rt.policy_attached)

@@ -91,7 +91,29 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     ck = checkpoint(c, trained, plan.config_hash) if plan.checkpoint else None
     refitted = refit(c, trained, trained.weights_version)
     val = validate(c, refitted, trained.weights_version) if plan.validate else None
-    return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val)
+    from prefect.runtime import flow_run
+
+    fid = str(flow_run.id) if flow_run.id and flow_run.name.startswith(f"{ctx.run_id}-step-") else None
+    return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
+
+
+def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
+    """Tag a flow run (the run's, or a step's subflow) ``run:<run_id>`` after it started.
+
+    Task runs carry no tags: on Prefect 3.9 every tagged task run acquires tag concurrency slots
+    with a lease, a write on the server that waits behind the task-run recorder on SQLite (seconds
+    per task under load); the run id and stage are in every task run's name instead."""
+    if not flow_run_id:
+        return
+    try:
+        import uuid
+
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id=uuid.UUID(flow_run_id), tags=[f"run:{run_id}"])
+    except Exception as exc:  # noqa: BLE001 - cosmetic
+        get_run_logger().debug("tagging flow run %s failed: %s", flow_run_id, exc)
 
 
 def publish_step(

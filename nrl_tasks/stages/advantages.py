@@ -37,7 +37,7 @@ def compute_advantages(group_id: torch.Tensor, rewards: torch.Tensor, valid: tor
     return BatchedDataDict({"advantages": adv.to(torch.float32), "sample_mask": valid.to(torch.float32)})
 
 
-@task(name="advantages", task_run_name="advantages-{ctx.run_id}-step{ctx.step}", tags=["stage:advantages"], **TASK_DEFAULTS)
+@task(name="advantages", task_run_name="advantages-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef) -> DatasetRef:
     """GRPO advantages of the step; persist ``advantages``."""
 

@@ -201,7 +201,7 @@ def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | 
     return info
 
 
-@task(name="checkpoint", task_run_name="checkpoint-{ctx.run_id}-step{ctx.step}", tags=["stage:checkpoint"], **TASK_DEFAULTS)
+@task(name="checkpoint", task_run_name="checkpoint-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> ActionResult:
     """Checkpoint the policy after ``trained`` (the step's ``train``; idempotent: a commit is kept)."""
     run, step = ctx.run, ctx.step

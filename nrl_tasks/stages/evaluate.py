@@ -119,7 +119,7 @@ def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
     return out
 
 
-@task(name="validate", task_run_name="validate-{ctx.run_id}-step{ctx.step}", tags=["stage:validate"], **TASK_DEFAULTS)
+@task(name="validate", task_run_name="validate-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def validate(ctx: StepContext, refit: ActionResult | None, weights_version: int) -> DatasetRef:
     """Greedy evaluation on the validation prompts with the generation workers at
     ``weights_version`` (the ``refit`` result that brought them there; ``None`` before training);
@@ -151,7 +151,7 @@ def _eval_key(dataset: str | None) -> str:
     return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
 
 
-@task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", tags=["stage:evaluate"], **TASK_DEFAULTS)
+@task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
 def evaluate(
     cfg: Any,
     run_id: str,

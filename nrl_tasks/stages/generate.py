@@ -123,7 +123,7 @@ def generation_input(prompt_batch: BatchedDataDict) -> BatchedDataDict:
     )
 
 
-@task(name="prompts", task_run_name="prompts-{ctx.run_id}-step{ctx.step}", tags=["stage:prompts"], **TASK_DEFAULTS)
+@task(name="prompts", task_run_name="prompts-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def prompts(ctx: StepContext) -> DatasetRef:
     """Draw and tokenise the step's prompts from the run's train snapshot; persist ``prompts``."""
     cfg = ctx.cfg
@@ -144,7 +144,7 @@ def prompts(ctx: StepContext) -> DatasetRef:
     return run_stage(ctx, "prompts", compute)
 
 
-@task(name="generate", task_run_name="generate-{ctx.run_id}-step{ctx.step}", tags=["stage:generate"], **TASK_DEFAULTS)
+@task(name="generate", task_run_name="generate-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def generate(ctx: StepContext, prompts: DatasetRef, weights_version: int) -> DatasetRef:
     """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
 

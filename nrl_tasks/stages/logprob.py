@@ -41,7 +41,7 @@ def check_policy_version(policy: Any, version: int, what: str) -> None:
         raise StalePolicyError(f"{what} needs the policy at weights version {version}, it holds {have}")
 
 
-@task(name="logprob", task_run_name="logprob-{ctx.run_id}-step{ctx.step}", tags=["stage:logprob"], **TASK_DEFAULTS)
+@task(name="logprob", task_run_name="logprob-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def logprob(ctx: StepContext, rollouts: DatasetRef, weights_version: int) -> DatasetRef:
     """Policy + reference logprobs of the step's rollouts (policy at ``weights_version``); persist ``logprobs``."""
 

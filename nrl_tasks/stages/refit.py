@@ -224,7 +224,7 @@ def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float
     return {"attempt": attempt, "error": f"{type(error).__name__}: {error}"[:500], "generation": states}
 
 
-@task(name="refit", task_run_name="refit-{ctx.run_id}-v{weights_version}", tags=["stage:refit"], **TASK_DEFAULTS)
+@task(name="refit", task_run_name="refit-{ctx.run_id}-v{weights_version}", **TASK_DEFAULTS)
 def refit(ctx: StepContext, trained: DatasetRef | None, weights_version: int, force: bool = False) -> ActionResult:
     """Bring the generation workers to ``weights_version`` (the policy's weights after ``trained``;
     ``None`` before the first step or in a recovery). Skipped when they already hold it, unless

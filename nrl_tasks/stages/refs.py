@@ -110,3 +110,5 @@ class StepRefs:
     refit: ActionResult | None = None
     checkpoint: ActionResult | None = None
     val: DatasetRef | None = None
+    #: the step's own Prefect flow run (its subflow), if it ran as one
+    flow_run_id: str | None = None

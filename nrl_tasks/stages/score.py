@@ -66,7 +66,7 @@ def compute_rewards(
     return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
 
 
-@task(name="score", task_run_name="score-{ctx.run_id}-step{ctx.step}", tags=["stage:score"], **TASK_DEFAULTS)
+@task(name="score", task_run_name="score-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
     """Score the step's rollouts; persist ``rewards``."""
 

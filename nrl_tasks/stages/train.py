@@ -116,7 +116,7 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
     return {"step": step, "replayed": True}
 
 
-@task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", tags=["stage:train"], **TASK_DEFAULTS)
+@task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantages: DatasetRef) -> DatasetRef:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
