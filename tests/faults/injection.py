@@ -146,9 +146,12 @@ def _actor_pid(_actor: Any) -> int:
     return os.getpid()
 
 
-def _watch_and_strike(_actor: Any, names: Sequence[str], how: str, timeout_s: float) -> str | None:
+def _watch_and_strike(_actor: Any, names: Sequence[str], how: str, timeout_s: float, started: str = "") -> str | None:
     """Runs in the actor's control thread: wait for a frame named in ``names`` on another
-    thread, then freeze (``ray_kill``: the flow process kills us; ``freeze``) or SIGKILL this process."""
+    thread, then freeze (``ray_kill``: the flow process kills us; ``freeze``) or SIGKILL this process.
+    ``started``: a file created once the watcher runs (the flow waits for it before the call)."""
+    if started:
+        open(started, "w").close()
     me = threading.get_ident()
     wanted = set(names)
     end = time.monotonic() + timeout_s
@@ -270,7 +273,15 @@ def arm_actor_kill(role: str, stage: str, step: int, workers: Sequence[Any]) -> 
             raise RuntimeError(f"{ACTOR_ENV_VAR}: 'freeze' needs the actor on this machine (pid {pid})")
         mode = how if proc is not None else "sigkill"
         names = ACTOR_CALLS[(role, stage)]
-        watcher = ctl.remote(_watch_and_strike, names, mode, WATCH_TIMEOUT_S)
+        import tempfile
+
+        started = os.path.join(tempfile.gettempdir(), f"nrl-fault-{pid}-{role}-{stage}-{step}-{time.monotonic_ns()}")
+        watcher = ctl.remote(_watch_and_strike, names, mode, WATCH_TIMEOUT_S, started)
+        wait_end = time.monotonic() + 60.0  # a fast call (a tiny model's train) must not beat the watcher
+        while not os.path.exists(started) and time.monotonic() < wait_end:
+            time.sleep(0.005)
+        if os.path.exists(started):
+            os.remove(started)
         event = {"kind": "actor_kill", "role": role, "rank": rank, "stage": stage, "step": int(step),
                  "how": mode, "pid": pid, "inside": list(names)}
         if mode in ("ray_kill", "freeze"):

@@ -119,6 +119,6 @@ def test_without_step_subflows_the_tasks_join_the_run_flow_with_the_same_edges(p
     inside = {t.name.split(f"-{run_id}-", 1)[0]: t for t in tasks if f"-{run_id}-" in t.name}
     assert {"prompts", "generate", "score", "logprob", "advantages", "train", "refit"} <= set(inside)
     assert f"run:{run_id}" in runs[0].tags
-    train_in = {k: {i.id for i in v} for k, v in inside["train"].task_inputs.items() if k != "__parents__"}
+    train_in = {k: {i.id for i in v} for k, v in inside["train"].task_inputs.items() if v and k != "__parents__"}
     assert train_in == {"rollouts": {inside["generate"].id}, "logprobs": {inside["logprob"].id},
                         "advantages": {inside["advantages"].id}}
