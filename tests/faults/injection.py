@@ -17,7 +17,8 @@ the flow reaches ``stage`` of ``step`` it arms a watcher in the named actor (``r
 ``policy`` or ``generation``, rank 0 unless ``#rank``). The watcher runs in the actor's
 control thread and waits until the actor's main thread is inside the stage's call
 (:data:`ACTOR_CALLS`, e.g. ``train`` in the policy worker, the sampling loop in a generation
-worker, the packed broadcast in either side of a refit); then, with ``how=ray_kill`` (the
+worker, the packed broadcast in either side of a refit; the broadcast, a few ms on a tiny model,
+is also caught by a tripwire at its entry, :data:`TRIPWIRES`); then, with ``how=ray_kill`` (the
 default), it freezes its own process (``SIGSTOP``, so the call cannot finish) and the flow
 process calls ``ray.kill(actor, no_restart=True)``; with ``how=sigkill`` the actor process
 ``SIGKILL``\\ s itself. Either way the actor dies in the middle of the call, as it would on a
@@ -88,6 +89,14 @@ ACTOR_CALLS: dict[tuple[str, str], tuple[str, ...]] = {
     ("generation", "refit"): ("packed_broadcast_consumer",),
 }
 
+#: Calls short enough on a tiny model (one packed chunk: a few ms) that polling the stack can miss
+#: them under load: the watcher also swaps the module attribute (looked up at call time by the
+#: workers) for a tripwire that strikes as the call is entered. ``name -> module``.
+TRIPWIRES: dict[str, str] = {
+    "packed_broadcast_consumer": "nrl_tasks.utils.packed_tensor",
+    "packed_broadcast_producer": "nrl_tasks.utils.packed_tensor",
+}
+
 #: How long an armed watcher waits for the call before giving up (s).
 WATCH_TIMEOUT_S = 300.0
 
@@ -146,36 +155,67 @@ def _actor_pid(_actor: Any) -> int:
     return os.getpid()
 
 
+def _strike(how: str) -> None:
+    """Stop (``ray_kill``, ``freeze``) or SIGKILL this process, from whichever thread sees the call;
+    never return (a return would let the call under attack finish, or tell the flow the watcher gave up)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A signal to one's own process lands asynchronously. Until it does, keep the GIL (no switch
+    # for 30 s, busy loop of C calls): the call under attack cannot get back into Python, so it
+    # cannot return its result first.
+    sys.setswitchinterval(30.0)
+    os.kill(os.getpid(), signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+    spin_end = time.monotonic() + 5.0
+    while time.monotonic() < spin_end:
+        pass
+    while True:
+        time.sleep(1.0)
+
+
+def _set_tripwires(names: Sequence[str], how: str) -> list[tuple[Any, str, Any]]:
+    import importlib
+
+    undo = []
+    for name in names:
+        if name not in TRIPWIRES:
+            continue
+        module = importlib.import_module(TRIPWIRES[name])
+        original = getattr(module, name)
+
+        def tripwire(*args: Any, **kwargs: Any) -> Any:
+            _strike(how)
+
+        tripwire.__name__ = tripwire.__qualname__ = name
+        setattr(module, name, tripwire)
+        undo.append((module, name, original))
+    return undo
+
+
 def _watch_and_strike(_actor: Any, names: Sequence[str], how: str, timeout_s: float, started: str = "") -> str | None:
     """Runs in the actor's control thread: wait for a frame named in ``names`` on another
-    thread, then freeze (``ray_kill``: the flow process kills us; ``freeze``) or SIGKILL this process.
-    ``started``: a file created once the watcher runs (the flow waits for it before the call)."""
+    thread (or a :data:`TRIPWIRES` call), then freeze (``ray_kill``: the flow process kills us;
+    ``freeze``) or SIGKILL this process. ``started``: a file created once the watcher runs (the
+    flow waits for it before the call)."""
+    undo = _set_tripwires(names, how)
     if started:
         open(started, "w").close()
     me = threading.get_ident()
     wanted = set(names)
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for tid, frame in sys._current_frames().items():
-            if tid == me:
-                continue
-            f = frame
-            while f is not None:
-                if f.f_code.co_name in wanted:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    # A signal to one's own process lands asynchronously. Until it does, keep the
-                    # GIL (no switch for 30 s, busy loop of C calls): the call under attack cannot
-                    # get back into Python, so it cannot return its result first.
-                    sys.setswitchinterval(30.0)
-                    os.kill(os.getpid(), signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
-                    spin_end = time.monotonic() + 5.0
-                    while time.monotonic() < spin_end:
-                        pass
-                    while True:  # never reply: a reply would tell the flow process the watcher gave up
-                        time.sleep(1.0)
-                f = f.f_back
-        time.sleep(0.0005)
+    try:
+        while time.monotonic() < end:
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                f = frame
+                while f is not None:
+                    if f.f_code.co_name in wanted:
+                        _strike(how)
+                    f = f.f_back
+            time.sleep(0.0005)
+    finally:
+        for module, name, original in undo:
+            setattr(module, name, original)
     return None
 
 
