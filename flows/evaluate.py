@@ -9,6 +9,11 @@ samples as Arrow under ``<run>/evals/<checkpoint>/<dataset-key>/``.
 or of every run under a storage prefix (``target`` containing ``/`` or ``://``) that has no
 evaluation yet, and publishes a table artifact comparing all evaluated checkpoints. Run twice,
 the second run evaluates nothing new. The ``eval-sweep`` deployment runs it on a cron schedule.
+
+Evaluating during training is safe: each evaluation claims its checkpoint
+(:mod:`nrl_tasks.stages.holds`), so retention keeps it until the claim is released and two
+sweeps on one run split the checkpoints instead of evaluating one twice. A checkpoint deleted
+anyway (by hand, or before the claim) is skipped with a warning and listed under ``vanished``.
 """
 
 from __future__ import annotations
@@ -69,11 +74,18 @@ def evaluate_checkpoint(
 
     from flows.ray_session import connect_ray
 
-    root = check_storage_root(storage or "./runs")
+    root = check_storage_root(storage or "./runs", create=False)
     cfg = load_run_config(run_id, root)
     recs = _records(cfg, run_id, dataset, max_prompts)
     connect_ray(cfg)
-    return evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
+    res = evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
+    if res.get("vanished"):
+        from nrl_tasks.stages.evaluate import CheckpointVanishedError
+
+        raise CheckpointVanishedError(f"checkpoint {checkpoint} of {run_id}: {res.get('reason')}")
+    if res.get("busy"):
+        raise RuntimeError(f"checkpoint {checkpoint} of {run_id} is being evaluated by another process; retry later")
+    return res
 
 
 def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -122,7 +134,10 @@ def eval_sweep(
     """Evaluate every committed checkpoint without an evaluation, for one run or every run under a prefix.
 
     ``target``: a run id (looked up under ``storage``, default ``./runs``) or a storage prefix
-    holding runs. Returns ``{"evaluated": [...], "skipped": [...], "rows": [...]}``.
+    holding runs. Returns ``{"evaluated", "skipped", "vanished", "busy", "rows"}``: checkpoints
+    evaluated now, already evaluated, gone before or during their evaluation (skipped with a
+    warning; the sweep goes on), and being evaluated by a concurrent sweep (its claim is live);
+    ``rows``: every committed evaluation of the runs (one per checkpoint and dataset).
     """
     from flows.ray_session import connect_ray
     from nrl_tasks.stages.checkpoint import list_checkpoints
@@ -130,14 +145,14 @@ def eval_sweep(
 
     logger = get_run_logger()
     if "/" in target or "://" in target:
-        root = check_storage_root(target)
+        root = check_storage_root(target, create=False)
         run_ids = [r["run_id"] for r in list_runs(root)]
         label = os.path.basename(root.rstrip("/")) or "runs"
     else:
-        root = check_storage_root(storage or "./runs")
+        root = check_storage_root(storage or "./runs", create=False)
         run_ids = [target]
         label = target
-    evaluated, skipped, rows = [], [], []
+    evaluated, skipped, vanished, busy, rows = [], [], [], [], []
     for run_id in run_ids:
         cfg = load_run_config(run_id, root)
         layout = RunLayout(root, run_id)
@@ -152,10 +167,23 @@ def eval_sweep(
             recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
             connect_ray(cfg)
             res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
-            evaluated.append(f"{run_id}/{name}")
-            logger.info("evaluated %s/%s: accuracy %s pass@k %s", run_id, name, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+            label_ck = f"{run_id}/{name}"
+            if res.get("vanished"):
+                vanished.append(label_ck)
+                logger.warning("eval sweep: skipped %s: the checkpoint vanished (%s)", label_ck, res.get("reason"))
+            elif res.get("busy"):
+                busy.append(label_ck)
+                logger.info("eval sweep: skipped %s: another evaluation of it is running", label_ck)
+            elif res.get("skipped"):
+                skipped.append(label_ck)  # committed by another sweep meanwhile
+            else:
+                evaluated.append(label_ck)
+                logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
         rows.extend(_eval_rows(root, run_id, None))
     if rows:
         publish_eval_table(label, rows)
-    logger.info("eval sweep: %d evaluated, %d already evaluated", len(evaluated), len(skipped))
-    return {"evaluated": evaluated, "skipped": skipped, "rows": rows}
+    logger.info(
+        "eval sweep: %d evaluated, %d already evaluated, %d vanished, %d being evaluated elsewhere",
+        len(evaluated), len(skipped), len(vanished), len(busy),
+    )
+    return {"evaluated": evaluated, "skipped": skipped, "vanished": vanished, "busy": busy, "rows": rows}

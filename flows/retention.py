@@ -21,6 +21,9 @@ What resume needs is never deleted, whatever the settings:
 So without any checkpoint no batch is ever deleted. A deleted step can no longer be
 recomputed (``--recompute``) or replayed; a deleted checkpoint can no longer be evaluated.
 
+A checkpoint held by a reader (an evaluation: :mod:`nrl_tasks.stages.holds`) is not deleted;
+it stays until a pass after the hold is released (or its holder died).
+
 Deletion is crash-safe: a dataset's manifest (its commit) goes before its shards, a
 checkpoint's ``checkpoint.json`` before its files, so a half-deleted item is never read as
 valid; re-running the same retention finishes the job (idempotent).
@@ -41,6 +44,7 @@ __all__ = [
     "RetentionPlan",
     "RetentionPolicy",
     "apply_retention",
+    "delete_unheld_checkpoint",
     "plan_retention",
 ]
 
@@ -209,6 +213,31 @@ def delete_checkpoint(uri: str, storage_options: dict[str, Any] | None = None) -
     fs.remove(uri, recursive=True, storage_options=storage_options)
 
 
+def delete_unheld_checkpoint(
+    layout: RunLayout, step: int, uri: str, storage_options: dict[str, Any] | None = None
+) -> bool:
+    """Delete checkpoint ``step`` unless a reader holds it (:mod:`nrl_tasks.stages.holds`);
+    ``False`` when held (or another retention is deleting it): it stays for a later pass.
+
+    The deletion mark goes before the look for holds, as a reader's hold goes before its look
+    for the mark and for ``checkpoint.json``: of a racing pair, at least one sees the other.
+    """
+    from nrl_tasks.run_layout import checkpoint_name
+    from nrl_tasks.stages.holds import is_held, mark_deleting
+
+    name = checkpoint_name(step)
+    if is_held(layout, name, storage_options):
+        return False
+    mark = mark_deleting(layout, name, storage_options)
+    if mark is None:
+        return False
+    with mark:
+        if is_held(layout, name, storage_options):  # a hold taken since the plan: keep it
+            return False
+        delete_checkpoint(uri, storage_options)
+    return True
+
+
 def checkpoint_scores(layout: RunLayout, metric_name: str, storage_options: dict[str, Any] | None = None) -> dict[int, float]:
     """``{step: metric}`` from ``metrics.jsonl`` (steps where the metric is recorded)."""
     from flows.metrics import read_metrics
@@ -231,11 +260,14 @@ def apply_retention(
 ) -> dict[str, Any]:
     """Plan and carry out retention for a run after step ``last_trained`` has finished.
 
-    Returns ``{"anchor", "deleted_steps", "deleted_checkpoints", "kept_checkpoints"}``.
+    Returns ``{"anchor", "deleted_steps", "deleted_checkpoints", "kept_checkpoints",
+    "held_checkpoints"}`` (held: planned for deletion but held by a reader, so kept this time).
     ``pruned``: the caller's record of the steps found without batches (the flow keeps one per
     run and passes it every step, so each step's directory is inspected once; updated in place).
     """
-    result: dict[str, Any] = {"anchor": None, "deleted_steps": [], "deleted_checkpoints": [], "kept_checkpoints": []}
+    result: dict[str, Any] = {
+        "anchor": None, "deleted_steps": [], "deleted_checkpoints": [], "kept_checkpoints": [], "held_checkpoints": [],
+    }
     if not policy.active:
         return result
     from flows.run_state import existing_steps
@@ -257,20 +289,24 @@ def apply_retention(
     plan = plan_retention(
         policy, last_trained=last_trained, batch_steps=candidates, checkpoint_steps=ck_uri, scores=scores
     )
+    deleted_ck, held_ck = [], []
     for s in plan.delete_checkpoints:
-        delete_checkpoint(ck_uri[s], storage_options)
+        (deleted_ck if delete_unheld_checkpoint(layout, s, ck_uri[s], storage_options) else held_ck).append(s)
     for s in plan.delete_steps:
         delete_step_batches(layout, s, storage_options)
         pruned.add(s)
-    if plan.delete_steps or plan.delete_checkpoints:
+    if plan.delete_steps or deleted_ck:
         logger.info(
             "retention of %s: deleted batches of steps %s, checkpoints %s (anchor %s)",
-            layout.run_id, plan.delete_steps, plan.delete_checkpoints, plan.anchor,
+            layout.run_id, plan.delete_steps, deleted_ck, plan.anchor,
         )
+    if held_ck:
+        logger.info("retention of %s: checkpoints %s are held by a reader; left for a later pass", layout.run_id, held_ck)
     result.update(
         anchor=plan.anchor,
         deleted_steps=plan.delete_steps,
-        deleted_checkpoints=plan.delete_checkpoints,
-        kept_checkpoints=plan.keep_checkpoints,
+        deleted_checkpoints=deleted_ck,
+        kept_checkpoints=sorted(plan.keep_checkpoints + held_ck),
+        held_checkpoints=held_ck,
     )
     return result

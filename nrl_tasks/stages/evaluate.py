@@ -25,7 +25,7 @@ from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, StageTimer, committed_ref, run_stage, save_output
 
-__all__ = ["evaluate", "evaluate_records", "summarize_eval", "validate"]
+__all__ = ["CheckpointVanishedError", "evaluate", "evaluate_records", "summarize_eval", "validate"]
 
 
 def _prompt_batch(records: list[dict[str, str]], data_cfg: Any, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
@@ -151,6 +151,14 @@ def _eval_key(dataset: str | None) -> str:
     return f"{slug}-{hashlib.sha256(dataset.encode()).hexdigest()[:8]}"
 
 
+class CheckpointVanishedError(FileNotFoundError):
+    """The checkpoint to evaluate is gone (deleted before or during its evaluation)."""
+
+
+def _vanished(checkpoint: str, reason: str) -> dict[str, Any]:
+    return {"checkpoint": checkpoint, "skipped": True, "vanished": True, "reason": reason}
+
+
 @task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
 def evaluate(
     cfg: Any,
@@ -164,8 +172,60 @@ def evaluate(
     """Evaluate one committed checkpoint: fresh generation workers load its weights, answer
     ``records`` greedily and with ``num_samples`` samples, rewards are scored; the samples are
     persisted at ``<run>/evals/<checkpoint>/<dataset-key>/`` with the summary in the manifest.
-    Idempotent: a committed evaluation is returned as is. Ray must be connected (the flow does it)."""
+    Idempotent: a committed evaluation is returned as is. Ray must be connected (the flow does it).
+
+    The evaluation claims the checkpoint first (:func:`~nrl_tasks.stages.holds.claim_checkpoint`:
+    retention keeps it meanwhile, and a concurrent evaluation of it on the same dataset is not
+    started twice). Returns ``busy: True`` when another live evaluation holds the claim, and
+    ``vanished: True`` (with ``reason``) when the checkpoint is gone before or during its
+    evaluation, instead of raising."""
+    from nrl_tasks.stages.checkpoint import is_checkpoint_committed
+    from nrl_tasks.stages.holds import claim_checkpoint, is_deleting
+
+    opts = cfg.storage.storage_options or None
+    layout = RunLayout(cfg.storage.root, run_id)
+    key = _eval_key(dataset)
+    uri = join_uri(layout.eval_uri(checkpoint), key)
+    if (done := committed_ref(uri, opts)) is not None:
+        return {**done.summary(), "checkpoint": checkpoint, "skipped": True}
+    ck_uri = join_uri(layout.checkpoints_uri, checkpoint)
+    if not is_checkpoint_committed(ck_uri, opts):
+        return _vanished(checkpoint, f"{ck_uri} has no committed checkpoint")
+    claim = claim_checkpoint(layout, checkpoint, key, opts)
+    if claim is None:
+        return {"checkpoint": checkpoint, "skipped": True, "busy": True}
+    with claim:
+        if (done := committed_ref(uri, opts)) is not None:  # finished by another while we claimed
+            return {**done.summary(), "checkpoint": checkpoint, "skipped": True}
+        # the claim is written: from here retention keeps the checkpoint, unless it was already at it
+        if is_deleting(layout, checkpoint, opts) or not is_checkpoint_committed(ck_uri, opts):
+            return _vanished(checkpoint, f"{ck_uri} is being deleted")
+        try:
+            return _evaluate_claimed(cfg, run_id, checkpoint, records, ck_uri, uri, dataset, num_samples, claim.holder)
+        except Exception as exc:  # noqa: BLE001 - whatever the loader raises when the files go
+            if _checkpoint_intact(ck_uri, opts):
+                raise
+            return _vanished(checkpoint, f"{ck_uri} disappeared during its evaluation ({type(exc).__name__}: {exc})")
+
+
+def _checkpoint_intact(ck_uri: str, opts: dict[str, Any] | None) -> bool:
+    """Committed, and (on local disk) its ``weights/`` still there."""
+    from storage import fs
+
+    from nrl_tasks.stages.checkpoint import is_checkpoint_committed
+
+    if not is_checkpoint_committed(ck_uri, opts):
+        return False
+    return not fs.is_local(ck_uri) or fs.exists(join_uri(ck_uri, "weights"), storage_options=opts)
+
+
+def _evaluate_claimed(
+    cfg: Any, run_id: str, checkpoint: str, records: list[dict[str, str]], ck_uri: str, uri: str,
+    dataset: str | None, num_samples: int, holder: str,
+) -> dict[str, Any]:
     import shutil
+
+    import storage
 
     from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
     from nrl_tasks.models.generation.hf_generation import HfGeneration
@@ -173,22 +233,19 @@ def evaluate(
 
     opts = cfg.storage.storage_options or None
     layout = RunLayout(cfg.storage.root, run_id)
-    uri = join_uri(layout.eval_uri(checkpoint), _eval_key(dataset))
-    if (done := committed_ref(uri, opts)) is not None:
-        return {**done.summary(), "checkpoint": checkpoint, "skipped": True}
     timer = StageTimer()
-    ck_uri = join_uri(layout.checkpoints_uri, checkpoint)
     info = read_checkpoint_info(ck_uri, opts)
     local, temporary = local_checkpoint_dir(ck_uri, opts)
     gen_cfg = cfg.gen.model_copy(update={"model_name": os.path.join(local, "weights")})
     ns = layout.namespace + "-eval"
+    tag = holder.rsplit("-", 1)[-1]  # per evaluation: concurrent evaluations never share Ray actors
     cluster = RayVirtualCluster(
-        [gen_cfg.num_workers], name=f"{run_id}-eval-{checkpoint}", namespace=ns,
+        [gen_cfg.num_workers], name=f"{run_id}-eval-{checkpoint}-{tag}", namespace=ns,
         num_cpus_per_bundle=gen_cfg.num_cpus_per_worker,
     )
     gen = None
     try:
-        gen = HfGeneration(cluster, gen_cfg, name_prefix=f"eval-{checkpoint}", namespace=ns)
+        gen = HfGeneration(cluster, gen_cfg, name_prefix=f"eval-{checkpoint}-{tag}", namespace=ns)
         from transformers import AutoTokenizer
 
         tok_dir = os.path.join(local, "tokenizer")
@@ -206,9 +263,14 @@ def evaluate(
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
     summary = summarize_eval(samples)
-    out = save_output(
-        samples, uri, run_id=run_id, step=step, stage="eval", weights_version=info.get("weights_version"),
-        storage_options=opts, seconds=timer.total(), checkpoint=checkpoint, dataset=dataset or "val",
-        **{f"eval_{k}": v for k, v in summary.items()},
-    )
+    try:
+        out = save_output(
+            samples, uri, run_id=run_id, step=step, stage="eval", weights_version=info.get("weights_version"),
+            storage_options=opts, seconds=timer.total(), checkpoint=checkpoint, dataset=dataset or "val",
+            **{f"eval_{k}": v for k, v in summary.items()},
+        )
+    except storage.AlreadyCommittedError:  # committed by an evaluation that held no claim: keep that one
+        done = committed_ref(uri, opts)
+        assert done is not None
+        return {**done.summary(), "checkpoint": checkpoint, "skipped": True}
     return {**out.summary(), "checkpoint": checkpoint, "skipped": False}

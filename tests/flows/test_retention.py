@@ -207,3 +207,107 @@ def test_half_deleted_checkpoint_is_not_committed_and_deletion_finishes(tmp_path
     retention.delete_checkpoint(lay.checkpoint_uri(2))
     retention.delete_checkpoint(lay.checkpoint_uri(2))  # idempotent
     assert not os.path.exists(lay.checkpoint_uri(2))
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints held by a reader (an evaluation)
+
+
+def test_held_checkpoint_is_kept_and_goes_on_the_pass_after_release(tmp_path):
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.holds import claim_checkpoint, hold_checkpoint, list_holds
+
+    lay = _fake_run(str(tmp_path), "r4", steps=6, ck_steps=[2, 4, 6], val={})
+    pol = RetentionPolicy(keep_last_n_checkpoints=1)
+    hold = hold_checkpoint(lay, "step_000002")
+    claim = claim_checkpoint(lay, "step_000004", "val")
+    assert claim is not None and claim_checkpoint(lay, "step_000004", "val") is None  # exclusive
+    out = apply_retention(lay, pol, last_trained=6)
+    assert out["deleted_checkpoints"] == [] and out["held_checkpoints"] == [2, 4]
+    assert [s for s, _ in list_checkpoints(lay.checkpoints_uri)] == [2, 4, 6]
+    hold.release()
+    out = apply_retention(lay, pol, last_trained=6)
+    assert out["deleted_checkpoints"] == [2] and out["held_checkpoints"] == [4]
+    claim.release()
+    out = apply_retention(lay, pol, last_trained=6)
+    assert out["deleted_checkpoints"] == [4] and out["held_checkpoints"] == []
+    assert [s for s, _ in list_checkpoints(lay.checkpoints_uri)] == [6]
+    assert list_holds(lay) == []
+
+
+def test_dead_holders_are_ignored_and_cleaned(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from nrl_tasks.stages.holds import holds_uri
+
+    lay = _fake_run(str(tmp_path), "r5", steps=4, ck_steps=[2, 4], val={})
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    base = holds_uri(lay).replace("file://", "")
+    os.makedirs(base)
+    far = time.time() + 3600
+    records = {
+        "step_000002.hold.pidgone.json": {"pid": dead_pid, "host": socket.gethostname(), "expires_unix": far},
+        "step_000002.hold.expired.json": {"pid": os.getpid(), "host": "elsewhere", "expires_unix": time.time() - 1},
+        "step_000002.claim.val.json": {"pid": dead_pid, "host": socket.gethostname(), "expires_unix": far},
+    }
+    for name, rec in records.items():
+        with open(os.path.join(base, name), "w") as fh:
+            json.dump({"checkpoint": "step_000002", "kind": name.split(".")[1], "holder": name, **rec}, fh)
+    out = apply_retention(lay, RetentionPolicy(keep_last_n_checkpoints=1), last_trained=4)
+    assert out["deleted_checkpoints"] == [2]
+    assert os.listdir(base) == []
+
+
+def test_a_hold_taken_while_retention_decides_keeps_the_checkpoint(tmp_path, monkeypatch):
+    """The race retention-decides vs reader-takes-hold: the reader's hold lands after the plan
+    (and after retention's first look); retention looks again after its deletion mark and keeps it."""
+    from nrl_tasks.stages import holds
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+
+    lay = _fake_run(str(tmp_path), "r6", steps=4, ck_steps=[2, 4], val={})
+    taken = []
+    real_mark = holds.mark_deleting
+
+    def mark_then_reader_arrives(layout, checkpoint, storage_options=None, **kw):
+        mark = real_mark(layout, checkpoint, storage_options, **kw)
+        taken.append(holds.hold_checkpoint(layout, checkpoint))
+        # the reader, having written its hold, sees the mark: it must skip the checkpoint
+        assert holds.is_deleting(layout, checkpoint)
+        return mark
+
+    monkeypatch.setattr(holds, "mark_deleting", mark_then_reader_arrives)
+    out = apply_retention(lay, RetentionPolicy(keep_last_n_checkpoints=1), last_trained=4)
+    assert out["deleted_checkpoints"] == [] and out["held_checkpoints"] == [2]
+    assert [s for s, _ in list_checkpoints(lay.checkpoints_uri)] == [2, 4]
+    assert not holds.is_deleting(lay, "step_000002")  # the mark is withdrawn
+    taken[0].release()
+    monkeypatch.setattr(holds, "mark_deleting", real_mark)
+    assert apply_retention(lay, RetentionPolicy(keep_last_n_checkpoints=1), last_trained=4)["deleted_checkpoints"] == [2]
+
+
+def test_holds_and_retention_on_s3(moto_s3):
+    from storage import fs
+
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.holds import claim_checkpoint, hold_checkpoint, list_holds
+
+    opts = moto_s3.storage_options
+    lay = RunLayout(moto_s3.make_bucket(), "r7")
+    for s in (2, 4):
+        fs.write_bytes_atomic(f"{lay.checkpoint_uri(s)}/weights/model.safetensors", b"\0" * 64, opts)
+        fs.write_text_atomic(f"{lay.checkpoint_uri(s)}/checkpoint.json", json.dumps({"step": s}), opts)
+    claim = claim_checkpoint(lay, "step_000002", "val", opts)
+    assert claim is not None and claim_checkpoint(lay, "step_000002", "val", opts) is None  # create-only on S3
+    pol = RetentionPolicy(keep_last_n_checkpoints=1)
+    out = apply_retention(lay, pol, last_trained=4, storage_options=opts)
+    assert out["held_checkpoints"] == [2] and [s for s, _ in list_checkpoints(lay.checkpoints_uri, opts)] == [2, 4]
+    claim.release()
+    with hold_checkpoint(lay, "step_000002", opts):
+        assert apply_retention(lay, pol, last_trained=4, storage_options=opts)["held_checkpoints"] == [2]
+    assert apply_retention(lay, pol, last_trained=4, storage_options=opts)["deleted_checkpoints"] == [2]
+    assert [s for s, _ in list_checkpoints(lay.checkpoints_uri, opts)] == [4]
+    assert list_holds(lay, storage_options=opts) == []
