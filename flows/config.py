@@ -4,7 +4,9 @@ Keys keep NeMo-RL's names where they exist (``grpo.num_prompts_per_step``,
 ``grpo.num_generations_per_prompt``, ``grpo.max_num_steps``, ``grpo.val_period``,
 ``checkpointing.save_period``, ``policy.model_name``, ``policy.train_global_batch_size``,
 ``loss_fn.reference_policy_kl_penalty``, ...). Every section forbids unknown keys; all problems
-found are reported together in one :class:`ConfigError` (a ``ValueError``).
+found are reported together in one :class:`ConfigError` (a ``ValueError``). Numbers are finite,
+booleans are not numbers and sizes have maxima a real run stays far below (:mod:`flows.config_bounds`);
+YAML is read by one bounded loader that refuses repeated keys (:mod:`flows.config_io`).
 
 The *config hash* covers everything that changes the numbers a run produces; it leaves out
 where things run and are written (``cluster.ray``, ``storage``), how they are shown
@@ -23,6 +25,12 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
+    INT64, MAX_DATASET_ROWS, MAX_PROMPTS, MAX_RETRIES, MAX_ROWS, MAX_SECONDS, MAX_SEQUENCE_TOKENS, MAX_STEPS,
+    MAX_WORKERS, check_delays, value_errors,
+)
+from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
+from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
@@ -47,73 +55,66 @@ __all__ = [
     "credential_paths",
     "load_config",
     "load_config_dict",
+    "load_config_text",
     "redact",
     "saved_config_hash",
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration problem (unknown key, wrong type, impossible combination, missing file)."""
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _check_delays(value: list[float]) -> list[float]:
-    """Retry backoff list: each delay >= 0 s, at most 50 (Prefect's limit); the last one repeats."""
-    bad = [d for d in value if not d >= 0]  # also catches NaN
-    if bad:
-        raise ValueError(f"retry delays must be >= 0 seconds, got {bad[0]!r}")
-    if len(value) > 50:
-        raise ValueError(f"at most 50 retry delays (the last one repeats), got {len(value)}")
-    return value
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RefitConfig(_Section):
     """How weights move from the Policy to the generation workers after each ``train``."""
 
-    timeout_s: float = Field(120.0, gt=0, description="hard deadline of one refit attempt (s)")
-    retries: int = Field(3, ge=0, description="Prefect retries of the refit task")
+    timeout_s: float = Field(
+        120.0, gt=0, le=MAX_SECONDS, description="hard deadline of one refit attempt (s, <= 1 day)"
+    )
+    retries: int = Field(3, ge=0, le=MAX_RETRIES, description="Prefect retries of the refit task (<= 100)")
     retry_delay_s: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0], description="backoff (s)")
     verify_checksum: bool = Field(False, description="debug: compare generation weights checksums after refit")
 
-    _delays = field_validator("retry_delay_s")(_check_delays)
+    _delays = field_validator("retry_delay_s")(check_delays)
 
 
 class GRPOConfig(_Section):
-    num_prompts_per_step: int = Field(8, ge=1)
-    num_generations_per_prompt: int = Field(4, ge=2, description="group size; >= 2 for GRPO advantages")
-    max_num_steps: int = Field(10, ge=1)
+    num_prompts_per_step: int = Field(8, ge=1, le=MAX_PROMPTS, description="<= 65536")
+    num_generations_per_prompt: int = Field(
+        4, ge=2, le=1024, description="group size; >= 2 for GRPO advantages, <= 1024 (and prompts * group <= 2**20)"
+    )
+    max_num_steps: int = Field(10, ge=1, le=MAX_STEPS, description="<= 10**7")
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = True
-    val_period: int = Field(0, ge=0, description="validate every N steps (0: never)")
+    val_period: int = Field(0, ge=0, le=MAX_STEPS, description="validate every N steps (0: never)")
     val_at_start: bool = False
-    max_val_samples: int = Field(32, ge=1)
-    val_batch_size: int = Field(32, ge=1)
-    seed: int = 42
+    max_val_samples: int = Field(32, ge=1, le=MAX_DATASET_ROWS, description="<= 10**8")
+    val_batch_size: int = Field(32, ge=1, le=MAX_ROWS, description="<= 2**20")
+    seed: int = Field(42, ge=INT64[0], le=INT64[1], description="any 64-bit signed integer")
     stage_retries: int = Field(
-        DEFAULT_STAGE_RETRIES, ge=0,
+        DEFAULT_STAGE_RETRIES, ge=0, le=MAX_RETRIES,
         description="Prefect retries of a stage that calls actors (generate, logprob, train, checkpoint, "
-        "validate) after an actor fault; 0: the first fault fails the run",
+        "validate) after an actor fault; 0: the first fault fails the run; <= 100",
     )
     stage_retry_delay_s: list[float] = Field(
         default_factory=lambda: list(DEFAULT_STAGE_RETRY_DELAY_S),
-        description="backoff before each stage retry (s); the last value repeats",
+        description="backoff before each stage retry (s, each <= 1 day, at most 50); the last value repeats",
     )
     refit: RefitConfig = Field(default_factory=RefitConfig)
 
-    _delays = field_validator("stage_retry_delay_s")(_check_delays)
+    _delays = field_validator("stage_retry_delay_s")(check_delays)
 
 
 class ArithmeticDataConfig(_Section):
     """Built-in task generator (``nrl_tasks.environments.arithmetic``)."""
 
-    num_train: int = Field(1024, ge=1, description="size of the train pool (cycled over epochs)")
-    num_val: int = Field(64, ge=1)
-    max_operand: int = Field(9, ge=0)
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
-    few_shot: int = Field(0, ge=0, description="solved examples prefixed to every prompt")
+    num_train: int = Field(
+        1024, ge=1, le=MAX_DATASET_ROWS, description="size of the train pool (cycled over epochs), <= 10**8"
+    )
+    num_val: int = Field(64, ge=1, le=MAX_DATASET_ROWS, description="<= 10**8")
+    max_operand: int = Field(9, ge=0, le=10**18, description="<= 10**18")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], max_length=16)
+    few_shot: int = Field(0, ge=0, le=1024, description="solved examples prefixed to every prompt, <= 1024")
 
 
 class DataConfig(_Section):
@@ -125,7 +126,9 @@ class DataConfig(_Section):
     prompt_template: str = Field("{prompt}", description="str.format template with {prompt}")
     chat_template: bool = Field(False, description="wrap with the tokenizer's chat template")
     system_prompt: str | None = None
-    max_input_seq_length: int | None = Field(None, ge=1, description="prompt token budget")
+    max_input_seq_length: int | None = Field(
+        None, ge=1, le=MAX_SEQUENCE_TOKENS, description="prompt token budget (<= 2**20)"
+    )
     overlong_prompts: Literal["truncate", "reject"] = "reject"
     shuffle: bool = True
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
@@ -165,9 +168,13 @@ class EnvConfig(_Section):
 
 class CheckpointingConfig(_Section):
     enabled: bool = True
-    save_period: int = Field(10, ge=1, description="checkpoint every N steps (and at the end)")
-    keep_last_k: int | None = Field(None, ge=1, description="retention: keep only the newest K (None: all)")
-    keep_top_k: int | None = Field(None, ge=1, description="retention: also keep the K best by metric_name (None: off)")
+    save_period: int = Field(10, ge=1, le=MAX_STEPS, description="checkpoint every N steps (and at the end)")
+    keep_last_k: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="retention: keep only the newest K (None: all)"
+    )
+    keep_top_k: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="retention: also keep the K best by metric_name (None: off)"
+    )
     metric_name: str = Field("val_accuracy", description="metrics.jsonl column ranking checkpoints for keep_top_k")
     higher_is_better: bool = True
     save_optimizer: bool = True
@@ -175,7 +182,9 @@ class CheckpointingConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = Field(None, description="GCS address of a running cluster (None: RAY_ADDRESS or local)")
-    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray (None: default)")
+    num_cpus: int | None = Field(
+        None, ge=1, le=1 << 16, description="logical CPUs of a local Ray (None: default; <= 65536)"
+    )
     policy_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources per policy worker bundle (node placement)"
     )
@@ -185,10 +194,10 @@ class RayConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    num_nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    policy_workers: int = Field(1, ge=1, description="data-parallel trainer workers")
-    num_cpus_per_worker: float = Field(1.0, ge=0)
+    num_nodes: int = Field(1, ge=1, le=1 << 16, description="<= 65536")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="<= 64")
+    policy_workers: int = Field(1, ge=1, le=MAX_WORKERS, description="data-parallel trainer workers (<= 1024)")
+    num_cpus_per_worker: float = Field(1.0, ge=0, le=MAX_WORKERS, description="<= 1024")
     ray: RayConfig = Field(default_factory=RayConfig)
 
 
@@ -199,37 +208,15 @@ class StorageRetryConfig(_Section):
     defaults wait out ~40 s of outage. See ``storage.retry``.
     """
 
-    attempts: int = Field(8, ge=1, description="calls in all (1: no retry)")
-    initial_delay_s: float = Field(0.5, ge=0, description="first backoff (s)")
-    max_delay_s: float = Field(10.0, ge=0, description="longest backoff (s)")
+    attempts: int = Field(8, ge=1, le=MAX_RETRIES, description="calls in all (1: no retry; <= 100)")
+    initial_delay_s: float = Field(0.5, ge=0, le=MAX_SECONDS, description="first backoff (s, <= 1 day)")
+    max_delay_s: float = Field(10.0, ge=0, le=MAX_SECONDS, description="longest backoff (s, <= 1 day)")
 
     def policy(self) -> Any:
         """The ``storage.retry.RetryPolicy`` of these settings."""
         from storage.retry import RetryPolicy
 
         return RetryPolicy(attempts=self.attempts, initial_delay_s=self.initial_delay_s, max_delay_s=self.max_delay_s)
-
-
-_CREDENTIAL_NAMES = {"key", "secret", "token", "password", "passwd", "access_key", "secret_key", "session_token"}
-_CREDENTIAL_PARTS = ("secret", "password", "token", "credential", "access_key", "private_key")
-
-
-def credential_paths(options: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of credential-looking keys in nested ``options`` (``key``, ``secret``, ``*token*``...).
-
-    >>> credential_paths({"endpoint_url": "u", "key": "k", "client_kwargs": {"aws_secret_access_key": "s"}})
-    ['key', 'client_kwargs.aws_secret_access_key']
-    """
-    out: list[str] = []
-    if isinstance(options, dict):
-        for name, value in options.items():
-            low = str(name).lower()
-            path = f"{prefix}{name}"
-            if isinstance(value, dict):
-                out += credential_paths(value, path + ".")
-            elif value is not None and (low in _CREDENTIAL_NAMES or any(p in low for p in _CREDENTIAL_PARTS)):
-                out.append(path)
-    return out
 
 
 class StorageConfig(_Section):
@@ -242,7 +229,7 @@ class StorageConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec/s3fs options without credentials (endpoint_url, profile, ...)"
     )
-    keep_last_k_steps: int | None = Field(None, ge=1, description="retention of step batches (None: all)")
+    keep_last_k_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="retention of step batches (None: all)")
     fsync: bool = Field(
         True,
         description=(
@@ -269,7 +256,7 @@ class LoggerConfig(_Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     console: bool = Field(True, description="print one progress line per step")
     artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")
-    num_rollouts_to_show: int = Field(4, ge=0, description="best and worst rollouts in the markdown artifact")
+    num_rollouts_to_show: int = Field(4, ge=0, le=1024, description="best and worst rollouts in the markdown artifact")
     weights_checksum: bool = Field(True, description="record the policy weights checksum after each train")
     step_subflows: bool = Field(
         True,
@@ -351,6 +338,10 @@ def _combination_errors(cfg: MasterConfig) -> list[str]:
     b = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
     dp = cfg.cluster.policy_workers
+    if b > MAX_ROWS:
+        errs.append(
+            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
+        )
     if b % gbs:
         errs.append(
             f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} is not a multiple of "
@@ -385,35 +376,42 @@ def _combination_errors(cfg: MasterConfig) -> list[str]:
 # loading, hashing, saving
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> str:
+def _validation_lines(exc: ValidationError, skip: dict[str, str]) -> list[str]:
+    """One ``  - key: message`` line per pydantic error, leaving out keys already in ``skip`` (and a
+    list whose item is there: ``betas: must lie in [0, 1)`` after ``betas.1: must be finite``)."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+        inp = err.get("input")
+        if loc in skip or (
+            isinstance(inp, (list, tuple)) and any(f"{loc}.{i}" in skip for i in range(len(inp)))
+        ):
+            continue
         msg = err.get("msg", "")
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        inp = err.get("input")
         shown = "" if err.get("type") in ("extra_forbidden", "missing") or isinstance(inp, dict) else f" (got {inp!r})"
         lines.append(f"  - {loc or '<root>'}: {msg}{shown}")
-    return f"invalid config {source}:\n" + "\n".join(lines)
+    return lines
 
 
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML config file into a dict (``ConfigError`` naming the file on failure)."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path!r} cannot be read as YAML: {exc}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping at top level, got {type(data).__name__}")
+    """Read a YAML config file into a dict (``ConfigError`` naming the file on failure).
+
+    Read by :func:`flows.config_io.load_yaml_file`: at most 1 MiB, no repeated keys, bounded
+    alias expansion, a non-empty mapping. A saved ``config_hash`` is dropped.
+    """
+    data = load_yaml_file(path)
+    data.pop("config_hash", None)
+    return data
+
+
+def load_config_text(text: str, source: str) -> dict[str, Any]:
+    """Like :func:`load_config_dict` for the text of a config read from ``source`` (a path or URI,
+    named in every error), e.g. a run's saved ``config.yaml``."""
+    data = load_yaml_text(text, source)
     data.pop("config_hash", None)
     return data
 
@@ -421,30 +419,41 @@ def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_config(
     source: str | os.PathLike[str] | dict[str, Any] | MasterConfig | None = None,
     overrides: Iterable[str] = (),
+    *,
+    name: str | None = None,
 ) -> MasterConfig:
     """Build a validated :class:`MasterConfig` from a YAML path, a dict or a config, plus overrides.
 
-    Raises :class:`ConfigError` listing every problem at once.
+    Raises :class:`ConfigError` listing every problem at once, headed by ``name`` (default: the
+    path, or ``<dict>`` / ``<config object>`` / ``<defaults>``). Only this entry point also runs
+    :func:`flows.config_bounds.value_errors` (booleans as numbers, inf/nan, the ``nrl_tasks``
+    sections' maxima); ``MasterConfig.model_validate`` alone does not.
     """
     overrides = list(overrides or ())
     if isinstance(source, MasterConfig):
         if not overrides:
             return source
-        data, name = source.model_dump(mode="json", exclude_none=False), "<config object>"
+        data, label = source.model_dump(mode="json", exclude_none=False), "<config object>"
     elif isinstance(source, dict):
-        data, name = {k: v for k, v in source.items() if k != "config_hash"}, "<dict>"
+        data, label = {k: v for k, v in source.items() if k != "config_hash"}, "<dict>"
     elif source is None:
-        data, name = {}, "<defaults>"
+        data, label = {}, "<defaults>"
     else:
-        data, name = load_config_dict(source), repr(os.fspath(source))
+        data, label = load_config_dict(source), repr(os.fspath(source))
+    label = repr(name) if name else label
     try:
         data = apply_overrides(data, overrides)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    found = value_errors(MasterConfig, data)  # booleans as numbers, inf/nan, sizes out of range
+    lines = [f"  - {key}: {msg}" for key, msg in found.items()]
     try:
-        return MasterConfig.model_validate(data)
+        cfg = MasterConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, name)) from None
+        lines += _validation_lines(exc, skip=found)
+    if lines:
+        raise ConfigError(f"invalid config {label}:\n" + "\n".join(lines))
+    return cfg
 
 
 _HASH_EXCLUDE: dict[str, Any] = {
@@ -464,25 +473,6 @@ def config_hash(cfg: MasterConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential")
-
-
-def redact(obj: Any) -> Any:
-    """Copy of ``obj`` with the values of secret-looking keys replaced by ``"***"``.
-
-    >>> redact({"client_kwargs": {"endpoint_url": "u"}, "secret": "s", "key": "k"})
-    {'client_kwargs': {'endpoint_url': 'u'}, 'secret': '***', 'key': '***'}
-    """
-    if isinstance(obj, dict):
-        return {
-            k: ("***" if any(w in str(k).lower() for w in _SECRET_WORDS) and not isinstance(v, dict) else redact(v))
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
-
-
 def config_to_yaml(cfg: MasterConfig) -> str:
     """The resolved config as YAML, starting with its hash; credentials redacted.
 
@@ -494,7 +484,7 @@ def config_to_yaml(cfg: MasterConfig) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def saved_config_hash(text: str) -> str | None:
-    """The ``config_hash`` recorded in a saved ``config.yaml`` text."""
-    data = yaml.safe_load(text) or {}
-    return data.get("config_hash") if isinstance(data, dict) else None
+def saved_config_hash(text: str, source: str = "config.yaml") -> str | None:
+    """The ``config_hash`` recorded in a saved ``config.yaml`` text (``ConfigError`` naming
+    ``source`` when the text is not a config)."""
+    return load_yaml_text(text, source).get("config_hash")

@@ -1,7 +1,9 @@
 """Dotted ``key=value`` overrides applied to a nested config dict (before validation).
 
-Values are parsed as YAML scalars/flow collections (``3`` → int, ``1e-5`` → float,
-``true`` → bool, ``null`` → None, ``[1,2]`` → list); anything else stays a string.
+Values are parsed as YAML scalars/flow collections (``3`` → int, ``1e-5`` and ``1e8`` → float,
+``true`` → bool, ``null`` → None, ``[1,2]`` → list); anything else stays a string. They are read
+by the config loader (:func:`flows.config_io.parse_yaml`: bounded, no repeated keys); whether the
+value fits the key (``grpo.max_num_steps=true`` is not a number) is decided at validation.
 
 >>> apply_overrides({"grpo": {"max_num_steps": 10}}, ["grpo.max_num_steps=3", "policy.optimizer.kwargs.lr=1e-5"])
 {'grpo': {'max_num_steps': 3}, 'policy': {'optimizer': {'kwargs': {'lr': 1e-05}}}}
@@ -13,7 +15,7 @@ import copy
 import re
 from typing import Any, Iterable
 
-import yaml
+from flows.config_io import ConfigError, YAMLSyntaxError, parse_yaml
 
 __all__ = ["apply_overrides", "parse_override", "parse_value"]
 
@@ -21,10 +23,11 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def parse_value(text: str) -> Any:
-    """Parse one override value.
+def parse_value(text: str, key: str = "value") -> Any:
+    """Parse one override value (``key`` names it in errors).
 
-    YAML 1.1 reads ``1e-5`` as a string; we read it as a float.
+    YAML 1.1 reads ``1e-5`` as a string; we read it as a float. Text that is not YAML stays a
+    string; YAML over the loader's bounds (repeated keys, alias expansion) is a ``ValueError``.
 
     >>> parse_value("1e-5"), parse_value("true"), parse_value("null"), parse_value("a b")
     (1e-05, True, None, 'a b')
@@ -33,8 +36,8 @@ def parse_value(text: str) -> Any:
     if _FLOAT_RE.match(stripped) and not stripped.lstrip("+-").isdigit():
         return float(stripped)
     try:
-        return yaml.safe_load(stripped) if stripped else ""
-    except yaml.YAMLError:
+        return parse_yaml(stripped, key, kind="override") if stripped else ""
+    except YAMLSyntaxError:
         return text
 
 
@@ -46,7 +49,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not _KEY_RE.match(key):
         raise ValueError(f"override key {key!r} is not a dotted name (e.g. policy.optimizer.kwargs.lr)")
-    return key.split("."), parse_value(value)
+    try:
+        return key.split("."), parse_value(value, key)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
