@@ -8,9 +8,10 @@
   group baseline (leave-one-out by default, as in RLOO) and the normalised advantage.
 
 Deviation from NeMo-RL: samples whose reward is not finite are treated as invalid (as if
-their ``valid_mask`` entry were 0) instead of poisoning their group with NaN, and in the
-leave-one-out variant the std of the other members carries the Bessel correction (sample std
-of the n-1 others), which is what the worked numbers in ARCHITECTURE.md use.
+their ``valid_mask`` entry were 0) instead of poisoning their group with NaN; a sample whose
+float32 advantage would overflow (rewards near float32's limits) is computed in float64; and
+in the leave-one-out variant the std of the other members carries the Bessel correction
+(sample std of the n-1 others), which is what the worked numbers in ARCHITECTURE.md use.
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ def calculate_baseline_and_std_per_prompt(
         invalid sample gets the statistics of its group's valid members (its advantage is
         zeroed by :func:`compute_grpo_advantages`); a std over fewer than 2 values is 0.
     """
+    baseline, std = _baseline_and_std64(prompts, rewards, valid_mask, leave_one_out_baseline)
+    return baseline.to(rewards.dtype), std.to(rewards.dtype)
+
+
+def _baseline_and_std64(
+    prompts: Tensor, rewards: Tensor, valid_mask: Tensor, leave_one_out_baseline: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`calculate_baseline_and_std_per_prompt` in float64 (no float32 rounding or overflow)."""
     if rewards.ndim != 1 or valid_mask.shape != rewards.shape or prompts.shape[0] != rewards.shape[0]:
         raise ValueError(
             f"expected prompts [B, P], rewards [B], valid_mask [B]; got {tuple(prompts.shape)}, "
@@ -157,7 +166,7 @@ def calculate_baseline_and_std_per_prompt(
         invalid = (groups == g) & ~valid
         baseline[invalid] = r.mean()
         std[invalid] = r.std(correction=1)
-    return baseline.to(rewards.dtype), std.to(rewards.dtype)
+    return baseline, std
 
 
 def compute_grpo_advantages(
@@ -184,11 +193,21 @@ def compute_grpo_advantages(
     """
     if not rewards.is_floating_point():
         rewards = rewards.float()
-    baseline, std = calculate_baseline_and_std_per_prompt(
-        prompts, rewards, valid_mask, leave_one_out_baseline=leave_one_out_baseline
-    )
+    base64, std64 = _baseline_and_std64(prompts, rewards, valid_mask, leave_one_out_baseline)
+    baseline, std = base64.to(rewards.dtype), std64.to(rewards.dtype)
     valid = valid_mask.to(rewards.device).bool() & torch.isfinite(rewards)
-    advantages = torch.where(valid, rewards - baseline, torch.zeros_like(rewards))
-    if normalize_rewards:
-        advantages = torch.where(std > 0, advantages / (std + 1e-6), advantages)
+    advantages = _advantages(rewards, baseline, std, valid, normalize_rewards)
+    # rewards near float32's limits (say 3e38 and -3e38): ``r - baseline`` or the std overflow
+    # float32 (inf, then inf/inf = NaN); those samples are computed in float64 and rounded once
+    wide = valid & ~(torch.isfinite(rewards - baseline) & torch.isfinite(std))
+    if bool(wide.any()):
+        exact = _advantages(rewards.detach().to(torch.float64), base64, std64, valid, normalize_rewards)
+        advantages = torch.where(wide, exact.to(rewards.dtype), advantages)
     return advantages.detach()
+
+
+def _advantages(rewards: Tensor, baseline: Tensor, std: Tensor, valid: Tensor, normalize: bool) -> Tensor:
+    advantages = torch.where(valid, rewards - baseline, torch.zeros_like(rewards))
+    if normalize:
+        advantages = torch.where(std > 0, advantages / (std + 1e-6), advantages)
+    return advantages

@@ -59,8 +59,13 @@ def load_reward_fn(path: str) -> RewardFn:
     return obj
 
 
+#: The largest magnitude a reward may have: rewards are stored as float32.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _as_float(value: Any) -> float | None:
-    """A finite float, or None for anything else (NaN, inf, None, strings, arrays)."""
+    """A finite float within float32 range, or None for anything else (NaN, inf, beyond
+    float32 such as 1e39, None, strings, arrays)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return None
@@ -70,7 +75,9 @@ def _as_float(value: Any) -> float | None:
             out = float(value)
         except (TypeError, ValueError):
             return None
-        return out if math.isfinite(out) else None
+        except OverflowError:  # an int beyond float64
+            return None
+        return out if math.isfinite(out) and abs(out) <= FLOAT32_MAX else None
     return None
 
 
@@ -83,14 +90,14 @@ def safe_rewards(
     """Call ``fn(prompts, responses, answers)`` and validate what it returns.
 
     Returns ``(rewards [B] float32, valid_mask [B] bool, errors)``. A sample whose reward is
-    NaN/inf or not a number is masked (reward 0.0) and counted in one error line; if ``fn``
-    raises or returns something other than B values, the whole batch is masked and the error
-    says why. ``errors`` is empty when every reward is valid. Mismatched input lengths are the
-    caller's bug and raise ``ValueError``.
+    NaN/inf, beyond float32 range (``abs > 3.4e38``, e.g. 1e39) or not a number is masked
+    (reward 0.0) and counted in one error line; if ``fn`` raises or returns something other
+    than B values, the whole batch is masked and the error says why. ``errors`` is empty when
+    every reward is valid. Mismatched input lengths are the caller's bug and raise ``ValueError``.
 
     >>> r, ok, errs = safe_rewards(lambda p, r, a: [1.0, float("nan")], ["p", "p"], ["r", "r"], ["a", "a"])
     >>> r.tolist(), ok.tolist(), errs
-    ([1.0, 0.0], [True, False], ['1 of 2 rewards invalid (NaN/inf or not a number) at indices [1]'])
+    ([1.0, 0.0], [True, False], ['1 of 2 rewards invalid (NaN/inf, beyond float32 or not a number) at indices [1]'])
     """
     n = len(prompts)
     if not (n == len(responses) == len(answers)):
@@ -125,5 +132,5 @@ def safe_rewards(
     errors = []
     if bad:
         shown = bad[:20] if len(bad) <= 20 else [*bad[:20], "..."]
-        errors.append(f"{len(bad)} of {n} rewards invalid (NaN/inf or not a number) at indices {shown}")
+        errors.append(f"{len(bad)} of {n} rewards invalid (NaN/inf, beyond float32 or not a number) at indices {shown}")
     return rewards, valid, errors

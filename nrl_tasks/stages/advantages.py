@@ -19,6 +19,7 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+from nrl_tasks.stages.train import finite_or_none
 
 __all__ = ["advantages", "compute_advantages"]
 
@@ -46,6 +47,7 @@ def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef) -> D
         r, valid = inputs["rewards"]["rewards"], inputs["rewards"]["reward_valid"]
         out = compute_advantages(groups, r, valid, ctx.cfg.grpo)
         mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
-        return out, {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].abs().mean())}
+        figures = {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].double().abs().mean())}
+        return out, finite_or_none(figures, f"advantages of step {ctx.step}")
 
     return run_stage(ctx, "advantages", compute, inputs={"rollouts": rollouts, "rewards": rewards})

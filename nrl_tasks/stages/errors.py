@@ -4,19 +4,30 @@ An **actor fault** (:func:`is_actor_fault`) is a dead, unreachable, stuck or sta
 re-plans the run's recovery (re-create, restore, replay, refit; :mod:`flows.recovery`) and runs the
 step again, up to the run's retry settings. Bad data, bad config and damaged storage are not actor
 faults: they fail the run with their own message.
+
+A :class:`NonFiniteTrainingError` (a NaN/inf loss, gradient norm, learning rate or parameter in a
+train step) is not an actor fault either: the same data gives the same NaN. When its
+``weights_valid`` is False (:func:`policy_weights_invalid`), the policy actors no longer hold the
+weights of any committed step: recovery must restore them from a checkpoint (or re-create the
+policy) before the policy is used again; the workers refuse other calls until then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from nrl_tasks.models.policy.errors import NonFiniteTrainingError
+
 __all__ = [
     "DEFAULT_STAGE_RETRIES",
     "DEFAULT_STAGE_RETRY_DELAY_S",
     "DamagedRunError",
+    "NonFiniteTrainingError",
     "StalePolicyError",
     "exception_chain",
     "is_actor_fault",
+    "nonfinite_training_error",
+    "policy_weights_invalid",
 ]
 
 #: Defaults of ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``.
@@ -70,8 +81,24 @@ def is_actor_fault(exc: BaseException | None) -> bool:
     after recovery. Bad data, bad config and storage damage are not."""
     types = _fault_types()
     for e in exception_chain(exc):
-        if isinstance(e, DamagedRunError):
+        if isinstance(e, (DamagedRunError, NonFiniteTrainingError)):
             return False
         if isinstance(e, types):
             return True
     return False
+
+
+def nonfinite_training_error(exc: BaseException | None) -> NonFiniteTrainingError | None:
+    """The :class:`NonFiniteTrainingError` ``exc`` is or wraps (through ``RayTaskError`` and
+    ``__cause__`` / ``__context__``), or None."""
+    for e in exception_chain(exc):
+        if isinstance(e, NonFiniteTrainingError):
+            return e
+    return None
+
+
+def policy_weights_invalid(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the policy's weights are no longer valid (a non-finite or partial
+    update was applied): the policy must be restored from a checkpoint or re-created."""
+    err = nonfinite_training_error(exc)
+    return err is not None and not err.weights_valid

@@ -23,6 +23,8 @@ stage started, computed and committed.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -33,6 +35,8 @@ from prefect.cache_policies import NO_CACHE
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.graph import spec as stage_spec
 from nrl_tasks.stages.refs import DatasetRef
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TASK_DEFAULTS", "StageTimer", "committed_ref", "run_stage", "save_output", "stage_failures"]
 
@@ -72,9 +76,15 @@ def committed_ref(uri: str, storage_options: dict[str, Any] | None = None, *, at
     return DatasetRef.from_manifest(storage.read_manifest(uri, **kw), uri, attempts=attempts)
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: Any, key: str = "") -> Any:
+    """A manifest meta value: tensors/arrays of one element as numbers, a non-finite float as
+    ``None`` (JSON has no NaN/inf; the train stage fails on a non-finite loss before it gets here,
+    other figures are reported, not fatal), anything else JSON can hold as is, else its ``str``."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        return value.item()
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        logger.warning("manifest meta %r is %r: recorded as null", key, value)
+        return None
     try:
         json.dumps(value)
         return value
@@ -108,7 +118,7 @@ def save_output(
         step=int(step),
         stage=stage,
         weights_version=None if weights_version is None else int(weights_version),
-        **{k: _jsonable(v) for k, v in meta.items()},
+        **{k: _jsonable(v, k) for k, v in meta.items()},
     )
     return DatasetRef.from_manifest(manifest, uri, attempts=attempts)
 

@@ -3,8 +3,9 @@
 Sources, by config: the built-in exact-match reward of the arithmetic task, a user function
 ``env.reward_fn: "package.module:function"`` called on ``(prompts, responses, answers)``, or a
 reward model (a sequence-classification ``Policy``) through ``Policy.score``. Rewards that are
-NaN/inf, not numbers, or come from a raising function are masked (``reward_valid`` False) and
-counted in the manifest (``invalid_rewards``) instead of ending the run.
+NaN/inf, beyond float32 range, not numbers, or come from a raising function are masked
+(``reward_valid`` False) and counted in the manifest (``invalid_rewards``) instead of ending
+the run.
 
 Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool.
 """
@@ -78,7 +79,8 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
                 logger.warning("step %d reward: %s", ctx.step, e)
         n_valid = int(valid.sum())
         return BatchedDataDict({"rewards": rewards, "reward_valid": valid}), {
-            "reward_mean": float(rewards[valid].mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
+            # float64: a mean of float32 rewards near float32's max must not overflow to inf
+            "reward_mean": float(rewards[valid].double().mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
             "invalid_rewards": int(valid.numel() - n_valid), "reward_errors": "; ".join(errors)[:2000],
         }
 

@@ -9,6 +9,7 @@ and, when enabled, the policy's ``weights_checksum`` after the update, which rep
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -23,7 +24,21 @@ from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
-__all__ = ["build_train_data", "replay_train", "run_train", "train", "train_metrics"]
+__all__ = ["build_train_data", "finite_or_none", "replay_train", "run_train", "train", "train_metrics"]
+
+_log = logging.getLogger(__name__)
+
+
+def finite_or_none(figures: dict[str, Any], where: str) -> dict[str, Any]:
+    """``figures`` with every non-finite float replaced by None (JSON has no NaN/inf; the
+    manifest would refuse it after the work is done), each replacement logged as a warning."""
+    out = {}
+    for key, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            _log.warning("%s: metric %r is %r, recorded as null", where, key, value)
+            value = None
+        out[key] = value
+    return out
 
 #: The datasets ``train`` reads (from the stage graph).
 TRAIN_INPUT_STAGES = REPLAY_INPUTS
@@ -122,6 +137,8 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
 
     Expects the policy at weights version ``step - 1`` (``StalePolicyError`` otherwise) and leaves
     it at ``step``. The manifest records ``weights_checksum`` after the update (replays verify it).
+    A non-finite loss, grad_norm, lr or parameter raises ``NonFiniteTrainingError`` (through
+    Ray: a ``RayTaskError`` that is also an instance of it) and commits nothing.
     """
     cfg = ctx.cfg
 
@@ -139,10 +156,12 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
         tokens = int(data["input_lengths"].sum())
         row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
         row["step"] = torch.tensor([ctx.step], dtype=torch.int64)
-        return BatchedDataDict(row), {
+        # the worker's finite-value guard raises NonFiniteTrainingError for a non-finite loss or
+        # grad_norm (nothing is committed then); a non-finite figure left is recorded as null
+        return BatchedDataDict(row), finite_or_none({
             "train_seconds": timer.seconds["train"], "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
             "weights_checksum": checksum, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
-        }
+        }, f"train of step {ctx.step}")
 
     inputs = {"rollouts": rollouts, "logprobs": logprobs, "advantages": advantages}
     return run_stage(ctx, "train", compute, inputs=inputs, weights_version=ctx.step)

@@ -278,7 +278,9 @@ class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods
 
     def worker_status(self) -> list[dict[str, Any]]:
         """Per rank: ``ready``, ``busy`` (the call in progress, or None), ``weights_version``,
-        ``pid``, ``config_hash``. Answered by a control thread, so it returns during a long call."""
+        ``weights_valid`` (False after a train step left non-finite or partial weights, until a
+        checkpoint is loaded: see ``NonFiniteTrainingError``), ``pid``, ``config_hash``. Answered
+        by a control thread, so it returns during a long call."""
         return self._get(self.worker_group.run_all_workers_single_data("status"))
 
     @staticmethod

@@ -36,7 +36,7 @@ class CheckpointMixin:
     ) -> dict[str, Any]:
         """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs;
         ``s3://`` paths are written to a temp dir on this node and uploaded from here."""
-        self._require_ready()
+        self._require_valid_weights("save_checkpoint")  # never persist weights a failed step broke
         if self.rank != 0:
             return {}
         paths = (weights_path, optimizer_path, tokenizer_path)
@@ -87,6 +87,8 @@ class CheckpointMixin:
                 ckpt.load_hf_weights_into(self.model, w)
             if o:
                 self._load_optimizer_and_rng(o)
+        if w and (o or self.optimizer is None):
+            self._invalid_weights = None  # weights (and optimizer state) restored: valid again
         return self.status()
 
     def _load_optimizer_and_rng(self, path: str) -> None:

@@ -8,12 +8,16 @@ order is fixed for a given world size, so results are deterministic.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["allreduce_gradients", "build_optimizer", "build_scheduler", "clip_and_norm", "trainable_named_parameters"]
+__all__ = [
+    "all_finite", "allreduce_gradients", "build_optimizer", "build_scheduler", "clip_and_norm", "first_nonfinite",
+    "trainable_named_parameters",
+]
 
 
 def trainable_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -78,10 +82,32 @@ def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, group
 
 
 def clip_and_norm(params: list[torch.nn.Parameter], max_grad_norm: float | None) -> float:
-    """Total L2 norm of the gradients before clipping; clips to ``max_grad_norm`` if set."""
+    """Total L2 norm of the gradients before clipping; clips to ``max_grad_norm`` if set.
+
+    A non-finite norm is returned without clipping (the caller refuses the step: scaling by
+    ``max_norm / inf`` would silently zero the gradients, by ``inf / inf`` turn them NaN).
+    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` otherwise (bit-identical results).
+    """
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0
-    limit = float("inf") if max_grad_norm is None else float(max_grad_norm)
-    norm = torch.nn.utils.clip_grad_norm_(with_grad, limit)
-    return float(norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], 2.0)
+    value = float(norm)
+    if max_grad_norm is not None and math.isfinite(value):
+        torch.nn.utils.clip_grads_with_norm_(with_grad, float(max_grad_norm), norm)
+    return value
+
+
+def first_nonfinite(named: list[tuple[str, torch.Tensor | None]]) -> str | None:
+    """Name of the first tensor of ``named`` holding a NaN or inf (None entries skipped), or None."""
+    for name, t in named:
+        if t is not None and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one device sync)."""
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())

@@ -86,7 +86,7 @@ class RefitMixin:
 
     def broadcast_weights_for_collective(self, kv_scales: dict[str, float] | None = None) -> bool:
         """Rank 0 streams the weights with the packed producer over the refit group."""
-        self._require_ready()
+        self._require_valid_weights("broadcast_weights_for_collective")
         if kv_scales is not None:
             raise ValueError("kv_scales (FP8 KV-cache scales) are not supported")
         if self.rank != 0:
@@ -108,7 +108,7 @@ class RefitMixin:
 
     def weights_checksum(self, as_sent: bool = True) -> str:
         """``weights_checksum`` of the refit tensors (cast as sent, or the master weights)."""
-        self._require_ready()
+        self._require_valid_weights("weights_checksum")
         from nrl_tasks.utils.refit import weights_checksum
 
         items = self._refit_items() if as_sent else refit_named_tensors(self.model)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.errors import NonFiniteTrainingError
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
@@ -37,10 +39,12 @@ from nrl_tasks.models.policy.workers.logprobs import (
     padded_forward_logprobs,
 )
 from nrl_tasks.models.policy.workers.optim import (
+    all_finite,
     allreduce_gradients,
     build_optimizer,
     build_scheduler,
     clip_and_norm,
+    first_nonfinite,
     trainable_named_parameters,
 )
 from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
@@ -88,6 +92,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._profiler: Any = None
         self._offloaded = False
         self._busy: str | None = None
+        self._invalid_weights: NonFiniteTrainingError | None = None  # set when a step broke the weights
         configure_determinism(self.cfg.deterministic, self.cfg.torch_num_threads)
         self.device = self._pick_device()
 
@@ -117,6 +122,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             "config_hash": self.cfg.config_hash(),
             "config": self.cfg.model_dump(mode="json"),
             "weights_version": self.weights_version,
+            "weights_valid": self._invalid_weights is None,
             "pid": os.getpid(),
         }
 
@@ -150,6 +156,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             ckpt.load_hf_weights_into(self.model, self.weights_path)
         if self.optimizer_path:
             self._load_optimizer_and_rng(self.optimizer_path)
+        self._invalid_weights = None
         self.ready = True
         return self.status()
 
@@ -181,6 +188,19 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         if not self.ready:
             raise RuntimeError(f"policy worker rank {self.rank} is not set up (call setup first)")
 
+    def _require_valid_weights(self, what: str) -> None:
+        """Refuse ``what`` while the weights are invalid (a train step left them non-finite or
+        partially updated; see :class:`NonFiniteTrainingError`); ``load_checkpoint`` or ``setup``
+        makes them valid again."""
+        self._require_ready()
+        bad = self._invalid_weights
+        if bad is not None:
+            raise NonFiniteTrainingError(
+                f"policy worker rank {self.rank}: {what} refused: the weights are invalid since a failed train "
+                f"call ({bad}); load a checkpoint (or re-create the policy) first",
+                what="invalid_weights", weights_version=self.weights_version, rank=self.rank, weights_valid=False,
+            )
+
     def _autocast(self):
         if self.cfg.precision == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -208,7 +228,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     @torch.no_grad()
     def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
         """``{"logprobs": [B, S]}`` float32 on CPU for this shard (NeMo-RL layout)."""
-        self._require_ready()
+        self._require_valid_weights("get_logprobs")
         self._check_causal_lm("get_logprobs")
         self._to_device()  # back from an offload, if any
         _check_inputs(data)
@@ -254,7 +274,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
 
         Position ``t`` holds the top-k of the distribution predicting token ``t + 1``; padding 0.
         """
-        self._require_ready()
+        self._require_valid_weights("get_topk_logits")
         self._check_causal_lm("get_topk_logits")
         self._to_device()  # back from an offload, if any
         _check_inputs(data)
@@ -292,8 +312,15 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         Global valid token/sequence counts are all-reduced before each global batch's
         micro-batch loop and passed to ``loss_fn``, so micro-batch losses sum (over micro-batches
         and ranks) to the global-batch loss. Returns this rank's per-global-batch results.
+
+        Finite-value guard (training only, not ``eval_mode``): a non-finite micro-batch loss,
+        gradient norm or learning rate raises :class:`NonFiniteTrainingError` *before*
+        ``optimizer.step()`` (on every rank alike: the decision rides on all-reduced values), so
+        weights, optimizer state and version stay as they were. A step that overflows float32
+        (torch refusing the step size, or a non-finite parameter after it) raises it with
+        ``weights_valid=False``; the worker then refuses further use until ``load_checkpoint``.
         """
-        self._require_ready()
+        self._require_valid_weights("train")
         self._check_causal_lm("train")
         self._to_device()  # back from an offload, if any
         _check_inputs(data)
@@ -326,8 +353,15 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         }
         start = time.perf_counter()
         try:
-            for gb in global_batches:
-                self._train_global_batch(gb, loss_fn, eval_mode, mbs, results)
+            for index, gb in enumerate(global_batches):
+                self._train_global_batch(index, gb, loss_fn, eval_mode, mbs, results)
+        except NonFiniteTrainingError as exc:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)  # drop the non-finite gradients
+            if not exc.weights_valid:
+                self._invalid_weights = exc
+            logger.error("%s", exc)
+            raise
         finally:
             self._busy = None
         if not eval_mode:
@@ -339,7 +373,9 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def _train_global_batch(self, gb: BatchedDataDict, loss_fn: Any, eval_mode: bool, mbs: int, results: dict) -> None:
+    def _train_global_batch(
+        self, index: int, gb: BatchedDataDict, loss_fn: Any, eval_mode: bool, mbs: int, results: dict
+    ) -> None:
         gb = _with_default_masks(gb)
         token_mask, sample_mask = gb["token_mask"], gb["sample_mask"]
         counts = torch.tensor(
@@ -354,23 +390,81 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             self.optimizer.zero_grad(set_to_none=True)
         micro_batches, packed = self._microbatches(gb, mbs)
         total = torch.zeros((), dtype=torch.float64)
-        for mb in micro_batches:
+        bad_mb: int | None = None  # first micro-batch of this rank whose loss is not finite
+        for mb_index, mb in enumerate(micro_batches):
             mb = _on_device(mb, self.device)
             with torch.set_grad_enabled(not eval_mode):
                 lp = self._mb_logprobs(mb, packed)
                 loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
                 if not eval_mode:
                     loss.backward()
-            total += loss.detach().double().cpu()
+            mb_loss = loss.detach().double().cpu()
+            if not eval_mode and not bool(torch.isfinite(mb_loss)):
+                # its gradients are dropped with the step; no collective inside this loop
+                bad_mb, total = mb_index, mb_loss
+                break
+            total += mb_loss
             for key, value in (metrics or {}).items():
                 results["all_mb_metrics"].setdefault(key, []).append(_to_float(value))
-        loss_sum = total.to(self._comm_device())
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        # the loss and "some rank saw a non-finite loss" in one all-reduce: every rank decides alike
+        loss_and_flag = torch.stack([total, torch.tensor(float(bad_mb is not None), dtype=torch.float64)])
+        loss_and_flag = loss_and_flag.to(self._comm_device())
+        dist.all_reduce(loss_and_flag, op=dist.ReduceOp.SUM)
+        loss_sum = loss_and_flag[0]
         grad_norm = 0.0
         if not eval_mode:
+            # weights and optimizer state are untouched until optimizer.step(); only if an
+            # earlier global batch of this call stepped are they no longer the call's start
+            where = {"weights_version": self.weights_version + 1, "global_batch": index, "rank": self.rank,
+                     "weights_valid": index == 0}
+            if float(loss_and_flag[1]) > 0 or not math.isfinite(float(loss_sum)):
+                mb_text = f"micro-batch {bad_mb}" if bad_mb is not None else "a micro-batch of another rank"
+                raise NonFiniteTrainingError(
+                    f"non-finite loss ({float(total)}) in {mb_text} of global batch {index} of the train call for "
+                    f"weights version {self.weights_version + 1} (rank {self.rank}); optimizer step skipped"
+                    f"{_state_note(index)}",
+                    what="loss", value=float(total), microbatch=bad_mb, **where,
+                )
             allreduce_gradients(self.params, self.world_size)
             grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)
-            self.optimizer.step()
+            if not math.isfinite(grad_norm):
+                bad = first_nonfinite([(n, p.grad) for n, p in zip(self.param_names, self.params)])
+                detail = f"first non-finite gradient: {bad}" if bad else "every gradient is finite, their norm overflows float32"
+                raise NonFiniteTrainingError(
+                    f"non-finite grad_norm ({grad_norm}) in global batch {index} of the train call for weights version "
+                    f"{self.weights_version + 1} (rank {self.rank}; {detail}); optimizer step skipped{_state_note(index)}",
+                    what="grad_norm", value=grad_norm, parameter=bad, **where,
+                )
+            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+            if not all(math.isfinite(lr) for lr in lrs):
+                raise NonFiniteTrainingError(
+                    f"non-finite learning rate {lrs} in global batch {index} of the train call for weights version "
+                    f"{self.weights_version + 1} (rank {self.rank}); optimizer step skipped{_state_note(index)}",
+                    what="lr", value=next(lr for lr in lrs if not math.isfinite(lr)), **where,
+                )
+            try:
+                self.optimizer.step()
+            except (RuntimeError, OverflowError) as exc:
+                # torch refuses a step size beyond float32 (lr 1e39, say) mid-step: some
+                # parameters and moments were already updated
+                if "overflow" not in str(exc):
+                    raise
+                raise NonFiniteTrainingError(
+                    f"the optimizer step of global batch {index} of the train call for weights version "
+                    f"{self.weights_version + 1} overflowed float32 (rank {self.rank}; lr {lrs[0]}): {exc}. The weights "
+                    "and optimizer state of this policy are no longer valid: load a checkpoint (or re-create the "
+                    "policy) before using it",
+                    what="update", value=lrs[0], **{**where, "weights_valid": False},
+                ) from exc
+            if not all_finite(self.params):
+                bad = first_nonfinite(list(zip(self.param_names, self.params)))
+                raise NonFiniteTrainingError(
+                    f"parameter {bad} is not finite after the optimizer step of global batch {index} of the train "
+                    f"call for weights version {self.weights_version + 1} (rank {self.rank}; loss {float(loss_sum)}, "
+                    f"grad_norm {grad_norm}, lr {lrs[0]}): the update overflowed. The weights and optimizer state of "
+                    "this policy are no longer valid: load a checkpoint (or re-create the policy) before using it",
+                    what="parameter", parameter=bad, **{**where, "weights_valid": False},
+                )
             self.scheduler.step()
         results["global_loss"].append(float(loss_sum))
         results["grad_norm"].append(grad_norm)
@@ -389,7 +483,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     @torch.no_grad()
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """In-process HF sampling with this worker's live weights (colocated use)."""
-        self._require_ready()
+        self._require_valid_weights("generate")
         self._check_causal_lm("generate")
         self._to_device()  # back from an offload, if any
         gen = self.cfg.generation
@@ -467,6 +561,13 @@ def _with_default_masks(data: BatchedDataDict) -> BatchedDataDict:
     if "sample_mask" not in out:
         out["sample_mask"] = torch.ones(data.size, dtype=torch.float32)
     return out
+
+
+def _state_note(global_batch: int) -> str:
+    if global_batch == 0:
+        return "; weights and optimizer state are unchanged"
+    return (f"; the {global_batch} earlier global batch(es) of this call did step, so the weights are a partial "
+            "update and no longer valid: load a checkpoint before using this policy")
 
 
 def _on_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
