@@ -7,6 +7,8 @@ live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and 
 ``storage.tensor_codec`` / ``storage.pycodec`` for the column layouts and ``storage.fs`` for
 the filesystem helpers shared with checkpoints, metrics and configs, and ``storage.retry`` for
 the backoff of remote calls that fail transiently (``StorageUnavailableError`` once spent).
+Commits are exclusive (``storage.fs.create_only``); ``storage.lease.RunLease`` gives one
+writer per run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from storage.errors import (
 )
 from storage.fs import (
     check_writable,
+    create_only,
     download_dir,
     exists,
     is_s3,
@@ -33,6 +36,7 @@ from storage.fs import (
     write_bytes_atomic,
     write_text_atomic,
 )
+from storage.lease import LeaseHeldError, LeaseHolder, LeaseLostError, RunLease, lease_is_live, read_lease
 from storage.manifest import MANIFEST_NAME, ColumnSpec, Manifest, ShardInfo
 from storage.retry import RetryPolicy, StorageUnavailableError, get_retry_policy, retry_policy, set_retry_policy
 from storage.store import (
@@ -50,13 +54,18 @@ __all__ = [
     "AlreadyCommittedError",
     "ColumnSpec",
     "CorruptDatasetError",
+    "LeaseHeldError",
+    "LeaseHolder",
+    "LeaseLostError",
     "Manifest",
     "MissingShardError",
     "NotCommittedError",
     "RetryPolicy",
+    "RunLease",
     "ShardInfo",
     "StorageUnavailableError",
     "check_writable",
+    "create_only",
     "delete_batch",
     "download_dir",
     "exists",
@@ -64,11 +73,13 @@ __all__ = [
     "is_committed",
     "is_s3",
     "join",
+    "lease_is_live",
     "list_batches",
     "list_dir",
     "load_batch",
     "mask_options",
     "read_bytes",
+    "read_lease",
     "read_manifest",
     "read_text",
     "remove",

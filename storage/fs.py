@@ -26,6 +26,7 @@ writes by other processes are seen.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -41,6 +42,7 @@ __all__ = [
     "TMP_MARKER",
     "RetryingFileSystem",
     "check_writable",
+    "create_only",
     "download_dir",
     "exists",
     "fsync_dir",
@@ -402,6 +404,123 @@ def write_text_atomic(
 ) -> None:
     """:func:`write_bytes_atomic` for text."""
     write_bytes_atomic(uri, text.encode(encoding), storage_options, fsync=fsync)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether an S3 error is HTTP 412 (``If-None-Match: *`` found an object there).
+
+    s3fs maps it to ``FileExistsError`` when the server names the condition (moto) and to a
+    plain ``OSError(EINVAL)`` otherwise (SeaweedFS); the botocore error is its cause.
+    """
+    if isinstance(exc, FileExistsError):
+        return True
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            code = str((response.get("Error") or {}).get("Code", ""))
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def create_only(
+    uri: str | os.PathLike[str],
+    data: bytes | bytearray | memoryview,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    fsync: bool = True,
+    equal_is_mine: bool = True,
+) -> bool:
+    """Create ``uri`` holding ``data`` unless something exists there: ``True`` if this call did.
+
+    Of concurrent callers for one path exactly one gets ``True``; the others ``False``, and the
+    file keeps the winner's bytes, complete (never a mix, never half of it).
+
+    - local: temp file (fsynced unless ``fsync=False``) + ``os.link`` onto ``uri``, which fails
+      when ``uri`` exists; then directory fsync. Filesystems without hard links fall back to
+      ``O_CREAT | O_EXCL`` (still exclusive, but a reader may see the file half written).
+    - S3: one PUT with ``If-None-Match: *`` (s3fs ``mode="create"``), answered 412 when the key
+      exists (AWS S3; verified on moto 5.2 and SeaweedFS 4.48; servers that ignore the header
+      overwrite).
+    - other fsspec filesystems: an existence check, then a write (best effort, not atomic).
+
+    A retried request whose first attempt landed sees 412: when the file already holds exactly
+    ``data`` it counts as created by this call (``equal_is_mine``), so give every caller
+    distinct bytes (a token); pass ``equal_is_mine=False`` where two callers may write the same
+    bytes (then such a retry reads as lost).
+    """
+    payload = bytes(data)
+    fs, path = resolve(uri, storage_options)
+    if fs is _LOCAL:
+        return _create_only_local(path, payload, fsync)
+    try:
+        if is_s3(uri):
+            fs.pipe_file(path, payload, mode="create")
+        else:
+            if fs.exists(path):
+                raise FileExistsError(path)
+            fs.pipe_file(path, payload)
+    except OSError as exc:
+        if not _precondition_failed(exc):
+            raise
+        if not equal_is_mine:
+            return False
+        invalidate_cache(fs, path)
+        try:
+            return bool(fs.cat_file(path) == payload)
+        except FileNotFoundError:
+            return False  # created and deleted meanwhile by others: still not ours
+    finally:
+        invalidate_cache(fs, path)
+    return True
+
+
+def _create_only_local(path: str, payload: bytes, fsync: bool) -> bool:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = local_temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            return _create_only_excl(path, payload, fsync)  # no hard links here
+    finally:
+        _unlink_quiet(tmp)
+    if fsync:
+        fsync_dir(directory)
+    return True
+
+
+def _create_only_excl(path: str, payload: bytes, fsync: bool) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except BaseException:
+        _unlink_quiet(path)
+        raise
+    if fsync:
+        fsync_dir(os.path.dirname(path))
+    return True
 
 
 def _unlink_quiet(path: str) -> None:

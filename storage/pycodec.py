@@ -164,10 +164,22 @@ def _from_jsonable(v: Any) -> Any:
         return {k: _from_jsonable(x) for k, x in v.items()}
     if tag == "tensor":
         dtype = dtype_from_name(v["dtype"])
-        raw = bytearray(base64.b64decode(v["b64"]))
+        shape = v["shape"]
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"JSON tensor shape must be a list of non-negative ints, got {shape!r}")
+        expected = math.prod(shape) * dtype.itemsize
+        b64 = v["b64"]
+        if type(b64) is not str or len(b64) != 4 * ((expected + 2) // 3):  # checked before decoding
+            raise ValueError(
+                f"JSON tensor payload of {len(b64) if type(b64) is str else type(b64).__name__} base64 chars does not "
+                f"hold shape {shape} x {dtype} = {expected} bytes"
+            )
+        raw = bytearray(base64.b64decode(b64, validate=True))
+        if len(raw) != expected:
+            raise ValueError(f"JSON tensor payload holds {len(raw)} bytes, shape {shape} x {dtype} needs {expected}")
         if not raw:
-            return torch.empty(v["shape"], dtype=dtype)
-        return torch.frombuffer(raw, dtype=dtype).reshape(v["shape"])
+            return torch.empty(shape, dtype=dtype)  # zero elements: nothing uninitialised
+        return torch.frombuffer(raw, dtype=dtype).reshape(shape)
     if tag == "tuple":
         return tuple(_from_jsonable(x) for x in v["items"])
     if tag == "bytes":

@@ -178,14 +178,18 @@ def test_failure_before_manifest_on_s3(moto_s3, monkeypatch):
     uri = f"{moto_s3.make_bucket()}/ds"
     save_batch({"x": torch.arange(4)}, uri, storage_options=opts)
 
-    def boom(*args, **kwargs):
-        raise ConnectionError("simulated crash before the commit")
+    real = store_mod.sfs.create_only
 
-    monkeypatch.setattr(store_mod.sfs, "write_text_atomic", boom)
-    with pytest.raises(ConnectionError):
+    def boom(target, *args, **kwargs):
+        if str(target).endswith("_manifest.json"):
+            raise ConnectionError("simulated crash before the commit")
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.sfs, "create_only", boom)
+    with pytest.raises(ConnectionError, match=f"{uri}.*simulated"):
         save_batch({"x": torch.arange(9)}, uri, num_shards=3, overwrite=True, storage_options=opts)
     monkeypatch.undo()
-    assert list_dir(uri, opts) == ["part-00000.arrow", "part-00001.arrow", "part-00002.arrow"]
+    assert list_dir(uri, opts) == []  # old dataset uncommitted and deleted; the failed writer removed its shards
     with pytest.raises(NotCommittedError):
         load_batch(uri, storage_options=opts)
     save_batch({"x": torch.arange(5)}, uri, storage_options=opts)  # retry: uncommitted, no overwrite

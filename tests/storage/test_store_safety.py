@@ -138,10 +138,10 @@ def test_failure_before_the_manifest_leaves_nothing_loadable(tmp_path, monkeypat
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash before the commit")
 
-    monkeypatch.setattr(store_mod.sfs, "write_text_atomic", boom)
+    monkeypatch.setattr(store_mod.sfs, "create_only", boom)  # the manifest's create-only write
     with pytest.raises(RuntimeError, match="simulated"):
         save_batch(batch_of(), uri, num_shards=3)
-    assert len([n for n in os.listdir(uri) if n.endswith(".arrow")]) == 3
+    assert [n for n in os.listdir(uri) if n.endswith(".arrow")] == []  # a failed writer removes its own
     with pytest.raises(NotCommittedError):
         load_batch(uri)
     assert list_batches(tmp_path) == []
