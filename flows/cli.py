@@ -3,20 +3,27 @@
 ::
 
     nrl grpo --config configs/grpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
-    nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [key=value ...]
+    nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [key=value ...]
     nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K]
     nrl runs [--storage URI]
 
 Defaults: storage ``./runs``; no ``PREFECT_API_URL`` -> Prefect's ephemeral API; no Ray
 address (``cluster.ray.address`` or ``RAY_ADDRESS``) -> a local Ray. The config and the storage
-URI are validated before anything starts: a bad one prints one clear error and exits with
-status 2 without starting Ray or a flow run.
+URI are validated before anything starts (with :func:`flows.preflight.preflight`: reward
+plug-in, prompt files, a local Ray's size; and the run's lease: one writer per run): a bad one
+prints one clear error and exits with status 2 without starting Ray or a flow run, or writing
+anything. ``nrl runs`` and ``nrl eval`` create nothing: their storage root must exist.
+
+A run that does not finish exits non-zero with the error and the resume hint printed, whatever
+ended it (an exception, or ``SystemExit`` / ``KeyboardInterrupt`` raised by user code): 1, or
+130 on SIGINT and 143 on SIGTERM (both stop the flow cleanly: actors and local Ray stopped).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Sequence
@@ -25,6 +32,8 @@ __all__ = ["build_parser", "main"]
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
 
 
 def _quiet_env() -> None:
@@ -57,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         "depends on it in that step; in a trained step after the last checkpoint only that dataset, which must "
         "reproduce the step's recorded weights checksum (see flows/recompute.py)",
     )
+    r.add_argument(
+        "--take-over", action="store_true",
+        help="take the run's lease from a holder that looks live but is gone (its machine died) before the lease expires",
+    )
     r.add_argument("overrides", nargs="*", metavar="key=value", help="overrides (e.g. grpo.max_num_steps=20)")
 
     e = sub.add_parser("eval", help="evaluate every checkpoint of a run (or of every run under a prefix) not yet evaluated")
@@ -81,15 +94,18 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
     from flows.grpo import new_run_id, resolve_config
     from flows.run_layout import validate_run_id
 
+    from flows.preflight import preflight
+
     try:
+        run_id = validate_run_id(args.run_id) if args.run_id is not None else new_run_id()
         cfg = resolve_config(args.config, args.overrides, args.storage)
-        run_id = validate_run_id(args.run_id) if args.run_id else new_run_id()
         from flows.run_layout import RunLayout
         from storage import fs
 
         layout = RunLayout(cfg.storage.root, run_id)
         if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
             raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")
+        preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
     print(f"nrl: run {run_id} -> {layout.run_uri}", flush=True)
@@ -105,6 +121,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from flows.recompute import parse_recompute
     from flows.run_state import check_config_hash
 
+    from flows.preflight import preflight
+
     try:
         run_id = validate_run_id(args.run_id)
         cfg = resolve_config(None, args.overrides, args.storage, run_id=run_id)
@@ -114,44 +132,79 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         opts = cfg.storage.storage_options or None
         # refused --recompute items and damaged batches: one clear error before anything starts
         check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
+        preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
+    from flows.run_lease import live_holder
     from flows.run_process import describe_status
     from flows.run_state import read_status
 
-    status = read_status(layout, opts) or {}
-    state, proc = describe_status(status), status.get("flow_process") or {}
-    if state == "running":  # two flows would write the same run
-        print(f"nrl: warning: run {run_id} is still running (flow process {proc.get('pid')} on {proc.get('host')} "
-              "is alive)", file=sys.stderr)
-    elif state == "running?":
-        print(f"nrl: warning: run {run_id} may still be running (flow process {proc.get('pid')} on "
-              f"{proc.get('host') or 'an unknown host'})", file=sys.stderr)
+    holder = live_holder(layout, opts)
+    if holder is not None and not args.take_over:  # one writer per run: refused before anything starts
+        return _error(
+            f"run {run_id} has a live writer ({holder.describe()}); wait for it to end, or, if that process is dead "
+            f"on another machine, take over with `nrl resume {run_id} --take-over`"
+        )
+    state = describe_status(read_status(layout, opts) or {})
     print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
     from flows.grpo import grpo
 
     return _run_flow(
         lambda: grpo(
             config=None, run_id=run_id, resume=True, overrides=args.overrides, storage=cfg.storage.root,
-            recompute=args.recompute or None,
+            recompute=args.recompute or None, take_over=args.take_over,
         ),
         layout,
     )
 
 
+def _on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM stops a run like Ctrl-C: the flow unwinds (actors, local Ray) and the CLI prints
+    the resume hint. A second SIGTERM during that clean-up ends the process at once."""
+    from prefect.exceptions import TerminationSignal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise TerminationSignal(signum)
+
+
 def _run_flow(call, layout) -> int:
+    """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
+    ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
+    SIGTERM) is printed with the resume hint: 130 (SIGINT), 143 (SIGTERM), else 1."""
+    from prefect.exceptions import TerminationSignal
+
+    hint = f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`"
     t0 = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         result = call()
+    except TerminationSignal:
+        print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
+        print(hint, file=sys.stderr)
+        return EXIT_SIGTERM
     except KeyboardInterrupt:
-        print(f"nrl: interrupted; resume with `nrl resume {layout.run_id} --storage {layout.root}`", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - report, do not dump a Prefect traceback twice
+        print(f"nrl: run {layout.run_id} interrupted", file=sys.stderr)
+        print(hint, file=sys.stderr)
+        return EXIT_SIGINT
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
         print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        print(f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`", file=sys.stderr)
+        held = _lease_holder(exc)
+        if held is not None:
+            print(f"nrl: {held}", file=sys.stderr)
+        else:
+            print(hint, file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_summary(result, time.perf_counter() - t0)
     return 0
+
+
+def _lease_holder(exc: BaseException) -> str | None:
+    """The take-over advice when ``exc`` is (or wraps) a refused run lease, else ``None``."""
+    from flows.run_lease import lease_refusal
+
+    return lease_refusal(exc)
 
 
 def print_summary(result: dict, seconds: float) -> None:
@@ -171,13 +224,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from flows.run_state import check_storage_root
 
     try:
-        if "/" in args.target or "://" in args.target:
-            check_storage_root(args.target)
+        if "/" in args.target or "://" in args.target:  # a prefix holding runs: it must exist and hold some
+            from flows.run_state import list_runs
+
+            prefix = check_storage_root(args.target, create=False)
+            if not list_runs(prefix):
+                raise ValueError(f"no runs under {args.target!r}")
         else:
             from flows.evaluate import load_run_config
             from flows.run_layout import validate_run_id
 
-            load_run_config(validate_run_id(args.target), check_storage_root(args.storage))
+            load_run_config(validate_run_id(args.target), check_storage_root(args.storage, create=False))
     except ValueError as exc:
         return _error(str(exc))
     from flows.evaluate import eval_sweep
@@ -190,6 +247,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(f"nrl: eval failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(f"nrl: evaluated {len(res['evaluated'])} checkpoint(s), {len(res['skipped'])} already evaluated")
+    for name in res.get("vanished", []):
+        print(f"nrl: skipped {name}: the checkpoint vanished (deleted by retention?)")
+    for name in res.get("busy", []):
+        print(f"nrl: skipped {name}: being evaluated by another process")
     for row in res["rows"]:
         print(
             f"  {row['run_id']}/{row['checkpoint']} [{row['dataset']}]  accuracy {row['accuracy']}"
@@ -202,7 +263,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from flows.run_state import check_storage_root, list_runs
 
     try:
-        root = check_storage_root(args.storage)
+        root = check_storage_root(args.storage, create=False)
     except ValueError as exc:
         return _error(str(exc))
     runs = list_runs(root)
@@ -227,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    for name in ("storage", "run_id"):
+        value = getattr(args, name, None)
+        if value is not None and not value.strip():
+            return _error(f"--{name.replace('_', '-')} is empty")
     handler = {"grpo": _cmd_grpo, "resume": _cmd_resume, "eval": _cmd_eval, "runs": _cmd_runs}[args.command]
     return handler(args)
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from dataclasses import replace
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
@@ -49,7 +50,8 @@ from flows.run_state import (
     trained_prefix,
     write_status,
 )
-from flows.run_process import current_process, reap_local_ray, this_host
+from flows.run_lease import check_fence, hold_run_lease
+from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext
@@ -84,13 +86,14 @@ def resolve_config(
 
     ``config=None`` with a ``run_id`` loads that run's saved ``config.yaml`` (resume).
     """
-    if config is None and run_id:
-        root = check_storage_root(storage or "./runs")
+    resuming = config is None and bool(run_id)
+    if resuming:  # the run must exist: nothing is created
+        root = check_storage_root(storage or "./runs", create=False)
         config = saved_config_data(validate_run_id(run_id), root)
-    cfg = load_config(config, overrides or [])
+    cfg = load_config(config, overrides or [], name=RunLayout(root, run_id).config_uri if resuming else None)
     if storage:
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": storage})})
-    root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None)
+    root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None, create=not resuming)
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": root})})
 
 
@@ -123,8 +126,11 @@ def step_plan(cfg: MasterConfig, step: int, *, chash: str, write_line: bool = Tr
     )
 
 
-def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: bool = False) -> dict[str, Any]:
-    """Recover, then loop the steps of a run (the body of the flow).
+def run_grpo_steps(
+    run: RunContext, *, chash: str, resume: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Recover, then loop the steps of a run (the body of the flow). ``fence()`` runs before each
+    step and raises when this flow may no longer write the run (its lease was taken over).
 
     The loop is flat: each step is one subflow (:func:`flows.step.grpo_step`) run by
     :func:`flows.recovery.run_step`, which recovers and runs it again after an actor fault. The
@@ -157,6 +163,8 @@ def run_grpo_steps(run: RunContext, *, chash: str, resume: bool, policy_fresh: b
     step_wall: list[float] = []
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):
+            if fence is not None:
+                fence()
             t0 = time.perf_counter()
             plan = step_plan(cfg, step, chash=chash, write_line=step not in have_lines)
             ctx = run.step(step)
@@ -194,14 +202,16 @@ def grpo(
     overrides: list[str] | None = None,
     storage: str | None = None,
     recompute: list[str] | None = None,
+    take_over: bool = False,
 ) -> dict[str, Any]:
     """Train with GRPO. ``config``: YAML path, dict or ``MasterConfig``; ``overrides``: ``key=value``.
 
+    The flow holds the run's lease (:mod:`flows.run_lease`) from before its first write to its
+    end; ``take_over``: take it from a live-looking holder (one on a machine that died).
     Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
     """
     from prefect.runtime import flow_run
 
-    logger = get_run_logger()
     cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None)
     run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
@@ -210,17 +220,34 @@ def grpo(
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
     fid = str(flow_run.id) if flow_run.id else None
+    lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
+    try:
+        return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
+    finally:
+        lease.release()
+
+
+def _train(
+    cfg: MasterConfig, layout: RunLayout, fid: str | None, lease: Any, *, resume: bool, specs: Any, recompute: Any
+) -> dict[str, Any]:
+    """The flow's body under the run's lease."""
+    logger = get_run_logger()
+    run_id, opts = layout.run_id, cfg.storage.storage_options or None
     chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
     if specs:
         deleted = apply_recompute(layout, specs, opts)
         logger.info("recompute %s: deleted %s", recompute, deleted)
     check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
-    reaped = reap_local_ray(read_status(layout, opts) or {})  # a crashed earlier flow's local Ray
+    previous = read_status(layout, opts) or {}
+    reaped = reap_local_ray(previous)  # a crashed earlier flow's local Ray
     if reaped:
         logger.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
+    reaped = reap_prefect_server(previous)  # and its ephemeral Prefect API server
+    if reaped:
+        logger.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
     write_status(
         layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash,
-        error=None, flow_process=current_process(), local_ray=None,
+        error=None, flow_process=current_process(), local_ray=None, prefect_server=ephemeral_prefect_servers(),
     )
     logger.info("run %s at %s (config hash %s, resume=%s)", run_id, layout.run_uri, chash, resume)
     keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
@@ -237,13 +264,17 @@ def grpo(
         with retry_policy(cfg.storage.retry.policy()):
             rt = setup_runtime(cfg, run_id, on_connect=record_ray)
             run = build_run_context(cfg, run_id, rt, rt.tokenizer, observers, records=rt.records)
-            info = run_grpo_steps(run, chash=chash, resume=resume, policy_fresh=not rt.policy_attached)
+            info = run_grpo_steps(
+                run, chash=chash, resume=resume, policy_fresh=not rt.policy_attached,
+                fence=lambda: check_fence(lease),
+            )
         rows = read_metrics(layout.metrics_uri, opts)
         write_status(layout, opts, status="completed", last_step=cfg.grpo.max_num_steps)
         if not keep:
             rt.shutdown()  # kill the actors, remove the placement groups
     except BaseException as exc:
-        write_status(layout, opts, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        stopped = isinstance(exc, (KeyboardInterrupt, TerminationSignal))  # SIGINT, SIGTERM: resumable, not a failure
+        write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
     finally:
         if own_ray and not keep:

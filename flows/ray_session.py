@@ -15,7 +15,9 @@ import time
 from flows.config import MasterConfig
 
 __all__ = [
+    "MAX_LOCAL_ACTORS_PER_CORE",
     "RAY_THREAD_PREFIXES",
+    "check_local_ray_size",
     "connect_ray",
     "local_ray_cpus",
     "local_ray_session",
@@ -24,6 +26,34 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+#: Actor processes a local Ray may run per core of this machine (fractional CPUs let a small
+#: machine run a few light workers; a thousand would only thrash it).
+MAX_LOCAL_ACTORS_PER_CORE = 4
+
+
+def _uses_local_ray(cfg: MasterConfig) -> bool:
+    return not (cfg.cluster.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def check_local_ray_size(cfg: MasterConfig) -> None:
+    """``ValueError`` when a local Ray would run more actor processes than this machine can hold
+    (:data:`MAX_LOCAL_ACTORS_PER_CORE` per core). A cluster checks its own resources when the
+    workers' placement groups are reserved (``RayVirtualCluster``)."""
+    if not _uses_local_ray(cfg):
+        return
+    cores = os.cpu_count() or 1
+    actors = cfg.cluster.policy_workers + cfg.gen.num_workers + (1 if cfg.env.reward_model.enabled else 0)
+    cap = MAX_LOCAL_ACTORS_PER_CORE * cores
+    if actors > cap:
+        raise ValueError(
+            f"a local Ray on this machine ({cores} cores) runs at most {cap} workers; this config asks for {actors} "
+            f"(cluster.policy_workers={cfg.cluster.policy_workers}, generation.num_workers={cfg.gen.num_workers}"
+            f"{', a reward model' if cfg.env.reward_model.enabled else ''}): lower them or set cluster.ray.address"
+        )
+    if cfg.cluster.ray.num_cpus is not None and cfg.cluster.ray.num_cpus > cap:
+        raise ValueError(f"cluster.ray.num_cpus={cfg.cluster.ray.num_cpus} exceeds {cap} ({cores} cores here) for a local Ray")
 
 
 def local_ray_cpus(cfg: MasterConfig) -> int:
@@ -49,6 +79,7 @@ def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
     address = cfg.cluster.ray.address
     if address or os.environ.get("RAY_ADDRESS"):
         return init_ray(address, namespace=namespace)
+    check_local_ray_size(cfg)
     return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
 
 

@@ -14,6 +14,12 @@ local Ray, the Ray session directory (``local_ray``: ``host``, ``session_dir``).
   the run (a resume, a Prefect retry) kills what is left of that session by PID: only
   processes whose command line or open files lie under the recorded session directory, only
   on the recorded host, and only when the recorded flow process is gone.
+- :func:`reap_prefect_server`: a flow process without ``PREFECT_API_URL`` runs Prefect's
+  ephemeral API server as a child process (``uvicorn ... prefect.server.api.server:create_app``,
+  ~200 MB); ``SIGKILL`` of the flow process orphans it, and it stays up until someone stops it.
+  ``status.json`` records it (``prefect_server``: ``host``, ``pid``, ``started_unix``, from
+  :func:`ephemeral_prefect_servers`) and the next flow of the run stops it by PID, with the same
+  care: the recorded host, the recorded start time, that command line, the flow process gone.
 
 >>> describe_status({"status": "completed"})
 'completed'
@@ -31,8 +37,10 @@ from typing import Any, Mapping
 __all__ = [
     "current_process",
     "describe_status",
+    "ephemeral_prefect_servers",
     "flow_process_alive",
     "reap_local_ray",
+    "reap_prefect_server",
     "session_processes",
     "this_host",
 ]
@@ -136,6 +144,35 @@ def reap_local_ray(status: Mapping[str, Any], grace_s: float = 2.0) -> list[str]
     for p in procs:
         try:
             killed.append(f"{p.name()}({p.pid})")
+        except psutil.Error:
+            pass
+    _terminate(procs, grace_s)
+    return killed
+
+
+#: What the command line of Prefect's ephemeral API server (a child of the flow process) contains.
+EPHEMERAL_SERVER_APP = "prefect.server.api.server:create_app"
+
+
+def ephemeral_prefect_servers() -> list[dict[str, Any]]:
+    """``{"host", "pid", "started_unix"}`` of the ephemeral Prefect API servers this process started."""
+    import psutil
+
+    out = []
+    for child in psutil.Process().children(recursive=False):
+        try:
+            if EPHEMERAL_SERVER_APP in " ".join(child.cmdline()):
+                out.append({"host": this_host(), "pid": child.pid, "started_unix": child.create_time()})
+        except psutil.Error:
+            continue
+    return out
+
+
+def _terminate(procs: list[Any], grace_s: float) -> None:
+    import psutil
+
+    for p in procs:
+        try:
             p.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
@@ -146,4 +183,32 @@ def reap_local_ray(status: Mapping[str, Any], grace_s: float = 2.0) -> list[str]
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
-    return killed
+
+
+def reap_prefect_server(status: Mapping[str, Any], grace_s: float = 5.0) -> list[str]:
+    """Stop the ephemeral Prefect API servers recorded in ``status`` (``prefect_server``) when their
+    flow process is gone from this machine; return ``name(pid)`` of those stopped. A recorded pid
+    now held by another process (other start time or command line) is left alone."""
+    import psutil
+
+    if flow_process_alive(status.get("flow_process")) is not False:
+        return []
+    found = []
+    for rec in status.get("prefect_server") or []:
+        if not isinstance(rec, Mapping) or rec.get("host") != this_host() or not isinstance(rec.get("pid"), int):
+            continue
+        try:
+            p = psutil.Process(int(rec["pid"]))
+            same = abs(p.create_time() - float(rec.get("started_unix") or 0)) < _START_TOLERANCE_S
+            if same and EPHEMERAL_SERVER_APP in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.Error, TypeError, ValueError):
+            continue
+    names = []
+    for p in found:
+        try:
+            names.append(f"prefect-server({p.pid})")
+        except psutil.Error:
+            pass
+    _terminate(found, grace_s)
+    return names

@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, saved_config_hash
+from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, load_config_text, saved_config_hash
 from flows.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
 from nrl_tasks.run_layout import RunLayout, parse_step_dir
 
@@ -91,7 +91,7 @@ def check_config_hash(layout: RunLayout, cfg: MasterConfig) -> str:
     h = config_hash(cfg)
     if not fs.exists(layout.config_uri, storage_options=opts):
         raise ConfigError(f"cannot resume run {layout.run_id!r}: no {layout.config_uri} (nothing to resume)")
-    saved = saved_config_hash(fs.read_text(layout.config_uri, storage_options=opts))
+    saved = saved_config_hash(fs.read_text(layout.config_uri, storage_options=opts), layout.config_uri)
     if saved != h:
         raise ConfigError(
             f"config hash mismatch for run {layout.run_id!r}: the run was created with {saved}, "
@@ -118,8 +118,11 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
     """Runs under ``root``: ``[{run_id, status, state, last_step, max_steps, updated_unix, ...}]``.
 
     ``status`` is the stored one; ``state`` the same checked against the flow process
-    (:func:`flows.run_process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``).
+    (:func:`flows.run_process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``),
+    and ``running`` whenever the run's lease is live (:func:`flows.run_lease.live_holder`), whatever
+    ``status.json`` says; ``writer`` then names the holder.
     """
+    from flows.run_lease import live_holder
     from flows.run_process import describe_status
 
     fs = _fs()
@@ -136,11 +139,13 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
             continue
         status = read_status(layout, storage_options) or {}
         last = trained_prefix(layout, storage_options=storage_options)
+        holder = live_holder(layout, storage_options)
         out.append(
             {
                 "run_id": name,
                 "status": status.get("status", "unknown"),
-                "state": describe_status(status),
+                "state": "running" if holder is not None else describe_status(status),
+                "writer": holder.describe() if holder is not None else None,
                 "last_step": last,
                 "max_steps": status.get("max_steps"),
                 "updated_unix": status.get("updated_unix"),
@@ -163,13 +168,10 @@ def saved_config_data(run_id: str, root: str, storage_options: dict[str, Any] | 
 
     (The saved storage options are redacted; the current ones, or the AWS environment, apply.)
     """
-    import yaml
-
     fs = _fs()
     layout = RunLayout(root, run_id)
     if not fs.exists(layout.config_uri, storage_options=storage_options):
         raise ConfigError(f"no run {run_id!r} under {root!r} (missing {layout.config_uri})")
-    data = yaml.safe_load(fs.read_text(layout.config_uri, storage_options=storage_options)) or {}
-    data.pop("config_hash", None)
+    data = load_config_text(fs.read_text(layout.config_uri, storage_options=storage_options), layout.config_uri)
     data["storage"] = {**(data.get("storage") or {}), "root": root, "storage_options": storage_options or {}}
     return data

@@ -42,8 +42,8 @@ def init_ray(
     Order: an already initialised Ray in this process is reused (idempotent); else
     ``address`` or the ``RAY_ADDRESS`` environment variable is connected to; else a local
     Ray is started with ``num_cpus`` logical CPUs (no dashboard, ``temp_dir`` as its temp
-    root). ``namespace`` becomes the driver's default namespace (named actors and placement
-    groups are looked up there).
+    root, see :func:`local_ray_options`). ``namespace`` becomes the driver's default namespace
+    (named actors and placement groups are looked up there).
     """
     ray = _ray()
     if ray.is_initialized():
@@ -60,13 +60,32 @@ def init_ray(
     else:
         if num_cpus is not None and num_cpus <= 0:
             raise ValueError(f"init_ray: num_cpus must be > 0, got {num_cpus}")
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            _temp_dir=temp_dir,
-            **kwargs,
-        )
+        ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, **local_ray_options(), **kwargs)
     return ray.get_runtime_context().gcs_address
+
+
+#: Niceness of the local Ray's worker processes (Ray's default is 15: on a busy machine the flow
+#: process and the Prefect server would preempt the training actors).
+LOCAL_WORKER_NICENESS = 0
+
+
+def local_ray_options() -> dict[str, Any]:
+    """``ray.init`` options of a local (one-machine) Ray, and the one switch that keeps it on loopback.
+
+    - No dashboard; workers at niceness :data:`LOCAL_WORKER_NICENESS` (``worker_niceness``).
+    - Loopback only: Ray resolves ``127.0.0.1`` given as the node address to the machine's routable
+      address, so its servers (GCS, raylets, core workers, the runtime-env agent, the autoscaler's
+      unauthenticated Prometheus endpoint on port 44217) listen on every interface or the node
+      address. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the node to be a one-machine
+      "cluster" and uses the loopback address for all of them (Ray 2.60; verified by reading the
+      listening sockets). The variable is read when ``ray`` is imported, so it is set for the
+      processes Ray starts and, for this process, on the already imported constants module.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return {"include_dashboard": False, "_system_config": {"worker_niceness": LOCAL_WORKER_NICENESS}}
 
 
 def local_head_session_dir() -> str | None:

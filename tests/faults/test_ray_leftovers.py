@@ -46,29 +46,43 @@ class Nrl:
     is tracked while it runs. ``hold=True``: the process stays alive after the command returns
     (``returncode`` is then the command's) until :meth:`close`."""
 
-    def __init__(self, args: list[str], api_url: str, *, hold: bool = False, **fault_env: str) -> None:
+    def __init__(
+        self, args: list[str], api_url: str | None, *, hold: bool = False, until: Any = None, **fault_env: str
+    ) -> None:
+        """``api_url=None``: no ``PREFECT_API_URL`` (the flow process runs Prefect's ephemeral API
+        server); ``until(self)``: return as soon as it is true (the process still runs)."""
         import threading
 
-        env = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
-        env.update(PREFECT_API_URL=api_url, **fault_env)
+        env = {k: v for k, v in os.environ.items() if k not in FAULT_VARS + ("PREFECT_API_URL",)}
+        env.update(**fault_env)
+        if api_url is not None:
+            env["PREFECT_API_URL"] = api_url
         cmd = [sys.executable, "-c", HELD_CLI, *args] if hold else [sys.executable, "-m", "flows.cli", *args]
+        self.args = args
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.tracked: set[psutil.Process] = set()
         self.lines: list[str] = []
-        root = psutil.Process(self.proc.pid)
-        reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 300
+        self.returncode: int | None = None
+        self._root = psutil.Process(self.proc.pid)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        self.wait(until)
+
+    def wait(self, until: Any = None, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline and not self.done:
             try:
-                self.tracked.update(root.children(recursive=True))
+                self.tracked.update(self._root.children(recursive=True))
             except psutil.Error:
                 pass
+            if until is not None and until(self):
+                return
             time.sleep(0.2)
+        args = self.args
         if self.proc.poll() is not None:
-            reader.join(timeout=10)
+            self._reader.join(timeout=10)
         if self.done:
             self.returncode = int(self.done.split()[1])
         elif self.proc.poll() is None:
@@ -175,11 +189,13 @@ def test_failed_flow_stops_its_local_ray(own_ray_config, prefect_harness):
 
 
 @pytest.mark.slow
-def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, prefect_harness, capsys):
+def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, capsys):
+    """Also the ephemeral Prefect API server (no ``PREFECT_API_URL``): orphaned by the SIGKILL,
+    stopped by the resume (it is among the tracked processes that must all be gone)."""
     from flows.run_state import list_runs
 
     cfg, root = own_ray_config
-    first = Nrl(["grpo", "--config", cfg, "--run-id", "killed"], prefect_harness, NRL_FAULT_KILL_AT="train@1:after")
+    first = Nrl(["grpo", "--config", cfg, "--run-id", "killed"], None, NRL_FAULT_KILL_AT="train@1:after")
     second = None
     try:
         assert first.returncode == -9, first.output[-3000:]
@@ -187,12 +203,15 @@ def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, prefect_
         pid = status["flow_process"]["pid"]
         crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
         assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
+        server = status["prefect_server"]
+        assert len(server) == 1 and psutil.pid_exists(server[0]["pid"]), status  # orphaned, still up
         session1 = status["local_ray"]["session_dir"]
         before = _left(first.tracked, session1, wait_s=0)  # what Ray itself has not stopped (yet)
-        second = Nrl(["resume", "killed", "--storage", root], prefect_harness)
+        second = Nrl(["resume", "killed", "--storage", root], None)
         out = second.output
         assert second.returncode == 0, out[-3000:]
         assert f"resuming run killed ({crashed})" in out
+        assert f"ephemeral Prefect API server: prefect-server({server[0]['pid']})" in out, out[-3000:]
         status = _status(root, "killed")
         assert status["status"] == "completed" and status["last_step"] == 1, status
         session2 = status["local_ray"]["session_dir"]
@@ -206,3 +225,35 @@ def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, prefect_
         for run in (first, second):
             if run is not None:
                 run.close()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_cleanly_with_the_resume_hint(own_ray_config, prefect_harness, tmp_path):
+    """SIGTERM behaves like Ctrl-C: exit 143, the resume hint, status ``interrupted``, no Ray left;
+    the resume then completes the run."""
+    import signal
+
+    cfg, root = own_ray_config
+    marker = os.path.join(root, "sigterm", "steps", "step_000001", "rollouts", "_manifest.json")
+    run = Nrl(
+        ["grpo", "--config", cfg, "--run-id", "sigterm", "grpo.max_num_steps=2"], prefect_harness,
+        until=lambda r: os.path.exists(marker),
+    )
+    resumed = None
+    try:
+        assert run.returncode is None, run.output[-3000:]  # still training
+        run.proc.send_signal(signal.SIGTERM)
+        run.wait()
+        out = run.output
+        assert run.returncode == 143, out[-3000:]
+        assert "stopped by SIGTERM" in out and "nrl resume sigterm" in out, out[-3000:]
+        status = _status(root, "sigterm")
+        assert status["status"] == "interrupted", status
+        assert _left(run.tracked, status["local_ray"]["session_dir"]) == []
+        resumed = Nrl(["resume", "sigterm", "--storage", root], prefect_harness)
+        assert resumed.returncode == 0, resumed.output[-3000:]
+        assert _status(root, "sigterm")["status"] == "completed"
+    finally:
+        for r in (run, resumed):
+            if r is not None:
+                r.close()

@@ -30,6 +30,14 @@ def _count_flow_runs() -> int:
         (["grpo", "--config", TINY_CONFIG, "--storage", "/proc/nrl-runs"], "cannot be created"),
         (["grpo", "--config", TINY_CONFIG, "--run-id", "bad/id"], "run_id"),
         (["resume", "no-such-run", "--storage", "/tmp"], "no run 'no-such-run'"),
+        (["grpo", "--config", TINY_CONFIG, "--storage", "s3://"], "names no bucket"),
+        (["grpo", "--config", TINY_CONFIG, "--run-id", ""], "--run-id is empty"),
+        (["grpo", "--config", TINY_CONFIG, "--storage", ""], "--storage is empty"),
+        (["runs", "--storage", " "], "--storage is empty"),
+        (["grpo", "--config", TINY_CONFIG, "env.reward_fn=tests.faults.no_such_module:f"], "env.reward_fn"),
+        (["grpo", "--config", TINY_CONFIG, "env.reward_fn=tests.faults.reward_plugins:no_such_fn"], "no attribute"),
+        (["grpo", "--config", TINY_CONFIG, "data.dataset=file", "data.train_path=/nonexistent/p.jsonl"], "data.train_path"),
+        (["grpo", "--config", TINY_CONFIG, "cluster.ray.address=null", "generation.num_workers=900"], "a local Ray on this machine"),
     ],
 )
 def test_bad_input_starts_nothing(args, needle, prefect_harness, monkeypatch, capsys):
@@ -57,3 +65,99 @@ def test_runs_lists_status(e2e_run, capsys):
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith(E2E_RUN_ID)]
     assert line and "completed" in line[0] and "3/3" in line[0]
+
+
+def test_a_failed_preflight_leaves_no_run_behind(tmp_path, capsys):
+    """A bad plug-in is found before the run directory exists: the same --run-id then starts."""
+    from flows.cli import main
+
+    root = tmp_path / "runs"
+    rc = main(["grpo", "--config", TINY_CONFIG, "--storage", str(root), "--run-id", "r1", "env.reward_fn=nope.nope:f"])
+    assert rc == 2 and "env.reward_fn" in capsys.readouterr().err
+    assert not (root / "r1").exists()
+
+
+@pytest.mark.parametrize("command", ["runs", "eval-prefix", "eval-run", "resume"])
+def test_read_only_commands_create_nothing(command, tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "typo" / "a" / "b"
+    argv = {
+        "runs": ["runs", "--storage", str(missing)],
+        "eval-prefix": ["eval", "../x-outside"],
+        "eval-run": ["eval", "some-run", "--storage", str(missing)],
+        "resume": ["resume", "some-run", "--storage", str(missing)],
+    }[command]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("nrl: error:") == 1, err
+    assert "does not exist" in err, err
+    assert not (tmp_path / "typo").exists() and not (tmp_path.parent / "x-outside").exists()
+
+
+def test_eval_of_a_prefix_without_runs_is_an_error(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", str(tmp_path / "empty") + "/"]) == 2
+    assert "no runs under" in capsys.readouterr().err
+
+
+def test_runs_works_on_a_root_it_cannot_write(e2e_run, capsys, monkeypatch):
+    """``nrl runs`` only reads: a full disk or a read-only root must not stop it (no write probe)."""
+    from storage import fs
+
+    from flows.cli import main
+
+    def refuse(path, *a, **k):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(fs, "check_writable", refuse)
+    assert main(["runs", "--storage", e2e_run["root"]]) == 0
+    assert E2E_RUN_ID in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("raised, code", [(SystemExit(0), 1), (SystemExit(3), 1), (KeyboardInterrupt(), 130), (RuntimeError("x"), 1)])
+def test_a_run_ended_by_anything_but_its_return_exits_non_zero(raised, code, tmp_path, capsys):
+    """``SystemExit(0)`` from user code (a reward plug-in calling ``sys.exit``) is a failed run, not success."""
+    from flows.cli import _run_flow
+    from nrl_tasks.run_layout import RunLayout
+
+    def call():
+        raise raised
+
+    assert _run_flow(call, RunLayout(str(tmp_path), "r")) == code
+    err = capsys.readouterr().err
+    assert "nrl resume r" in err, err
+    assert (type(raised).__name__ in err) if code == 1 else ("interrupted" in err), err
+
+
+@pytest.mark.parametrize("plugin, needle", [
+    ("exits_zero", "SystemExit"),  # sys.exit(0) inside env.reward_fn: was exit 0, no error printed
+    ("huge_rewards", "NonFiniteTrainingError"),  # 1e30 rewards: inf grad norm, was committed as 'grad_norm'=inf
+])
+def test_a_run_that_cannot_go_on_fails_with_exit_1_and_commits_no_train(
+    plugin, needle, tmp_path, prefect_harness, ray_session, tiny_model_dir, capsys
+):
+    """The reported cases, through the real flow (1 step of the tiny config)."""
+    import json
+
+    import yaml
+
+    from flows.cli import main
+    from tests.flows.conftest import tiny_run_config
+
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{
+        "grpo.max_num_steps": 1, "checkpointing.enabled": False, "env.reward_fn": f"tests.faults.reward_plugins:{plugin}",
+    })
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc = main(["grpo", "--config", str(path), "--run-id", "r"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert needle in err and "nrl resume r" in err, err
+    with open(tmp_path / "runs" / "r" / "status.json", encoding="utf-8") as fh:
+        assert json.load(fh)["status"] == "failed"
+    assert not (tmp_path / "runs" / "r" / "steps" / "step_000001" / "train" / "_manifest.json").exists()

@@ -1,0 +1,52 @@
+"""What can be known about a run before anything starts: checked by the CLI before the Prefect
+API, Ray or the run's directory exist, so a bad plug-in or data file costs a second, not the
+60-90 s of starting servers, and leaves nothing behind (a run directory left by a failed start
+would make the same ``--run-id`` refused).
+
+:func:`preflight` raises ``ValueError`` naming the key, file or plug-in:
+
+- ``env.reward_fn``: the module imports and the attribute is callable;
+- the stage plug-ins of ``NRL_PLUGINS`` load;
+- the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist and
+  parse, with the configured keys;
+- a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
+  :func:`flows.ray_session.check_local_ray_size`.
+
+The flow checks the same things again where it uses them (a deployment run skips the CLI).
+"""
+
+from __future__ import annotations
+
+from flows.config import MasterConfig
+
+__all__ = ["preflight"]
+
+
+def _needs_val_split(cfg: MasterConfig) -> bool:
+    return bool(cfg.data.val_path) or cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
+
+
+def preflight(cfg: MasterConfig) -> None:
+    """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
+    from flows.plugins import load_observers
+    from flows.ray_session import check_local_ray_size
+    from nrl_tasks.environments.rewards import load_reward_fn
+    from nrl_tasks.stages.data import load_prompt_records
+
+    if cfg.env.reward_fn is not None:
+        try:
+            load_reward_fn(cfg.env.reward_fn)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"env.reward_fn: {exc}") from None
+    load_observers()
+    opts = cfg.storage.storage_options or None
+    splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])
+    for split in splits:
+        try:
+            records = load_prompt_records(cfg.data, split, cfg.grpo.seed, opts)
+        except (OSError, ValueError) as exc:
+            key = f"data.{split}_path" if cfg.data.dataset == "file" else f"data.arithmetic ({split})"
+            raise ValueError(f"{key}: {exc}") from None
+        if split == "train" and not records:
+            raise ValueError(f"data: the train split has no prompts ({cfg.data.train_path or 'arithmetic'})")
+    check_local_ray_size(cfg)

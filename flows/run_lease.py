@@ -1,0 +1,106 @@
+"""One writer per run: the flow holds the run's lease (:mod:`storage.lease`) for its whole life.
+
+Why a lease in the run's storage and not Prefect's global concurrency limits: the one thing two
+writers of a run always share is the run's storage. Two ``nrl resume`` without
+``PREFECT_API_URL`` each start their own ephemeral Prefect API (each with its own database),
+so a Prefect limit would not see the other; and a run on S3 may be resumed from another machine
+against another Prefect server. The lease lives next to the data it protects, on local disk
+and S3 alike.
+
+- Acquired by the flow before it writes anything (``config.yaml``, ``status.json``); refused at
+  once, with :class:`storage.lease.LeaseHeldError` naming the holder (host, pid, flow run), while
+  another holder is live. A holder is dead when its heartbeat is older than the lease's TTL, or
+  at once when it is on this machine and its process is gone (a SIGKILLed flow): then the next
+  flow takes the lease over without being asked. ``nrl resume RUN --take-over`` takes a live-looking
+  lease (a holder on a machine that died, before its TTL has run out).
+- Heartbeats from a daemon thread; a holder whose lease was taken over is *fenced*: the flow
+  stops before its next step (``storage.lease.LeaseLostError``). Under the lease, the storage commit is
+  create-only as well, so even a fenced writer cannot overwrite a committed dataset.
+- ``NRL_LEASE_TTL_S`` / ``NRL_LEASE_HEARTBEAT_S`` (pydantic-settings) tune the timing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from nrl_tasks.run_layout import RunLayout, join_uri
+from nrl_tasks.stages.errors import exception_chain
+
+__all__ = [
+    "LeaseSettings",
+    "check_fence",
+    "hold_run_lease",
+    "lease_refusal",
+    "lease_uri",
+    "live_holder",
+]
+
+
+class LeaseSettings(BaseSettings):
+    """Timing of the run lease (environment: ``NRL_LEASE_TTL_S``, ``NRL_LEASE_HEARTBEAT_S``)."""
+
+    model_config = SettingsConfigDict(env_prefix="NRL_LEASE_", extra="ignore")
+
+    ttl_s: float = Field(60.0, gt=0, le=3600, description="a holder silent this long is dead")
+    heartbeat_s: float = Field(10.0, gt=0, le=600, description="how often the holder renews")
+
+
+def lease_uri(layout: RunLayout) -> str:
+    """Where the run's lease files live: ``<run>/lease/``."""
+    return join_uri(layout.run_uri, "lease")
+
+
+def _lease_cls() -> Any:
+    from storage.lease import RunLease
+
+    return RunLease
+
+
+def hold_run_lease(
+    layout: RunLayout,
+    storage_options: dict[str, Any] | None,
+    flow_run_id: str | None,
+    *,
+    take_over: bool = False,
+    settings: LeaseSettings | None = None,
+) -> Any:
+    """Acquire the run's lease and start its heartbeat; ``LeaseHeldError`` while another holder is live."""
+    s = settings or LeaseSettings()
+    lease = _lease_cls()(
+        lease_uri(layout), storage_options=storage_options, ttl_s=s.ttl_s, heartbeat_s=s.heartbeat_s,
+        flow_run_id=flow_run_id,
+    )
+    lease.acquire(take_over=take_over)
+    lease.start_heartbeat()
+    return lease
+
+
+def check_fence(lease: Any) -> None:
+    """Raise ``storage.lease.LeaseLostError`` when ``lease`` has been taken over (between steps:
+    one listing of the lease files)."""
+    lease.ensure_held()
+
+
+def live_holder(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> Any:
+    """The live holder of the run's lease (a ``LeaseHolder``), or ``None``."""
+    from storage.lease import lease_is_live, read_lease
+
+    holder = read_lease(lease_uri(layout), storage_options=storage_options)
+    return holder if holder is not None and lease_is_live(holder) else None
+
+
+def lease_refusal(exc: BaseException) -> str | None:
+    """How to proceed when ``exc`` is (or wraps) a refused lease; ``None`` for any other error."""
+    from storage.lease import LeaseHeldError
+
+    for e in exception_chain(exc):
+        if isinstance(e, LeaseHeldError):
+            return (
+                f"the run has another writer ({e.holder.describe()}); nothing was written. Wait for it to end; "
+                f"if that process is dead on another machine, its lease expires {LeaseSettings().ttl_s:.0f} s after "
+                "its last heartbeat, or take over now with `nrl resume RUN_ID --take-over`"
+            )
+    return None

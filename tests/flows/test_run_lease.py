@@ -1,0 +1,116 @@
+"""One writer per run (``flows/run_lease.py`` over ``storage/lease.py``), as the CLI and the flow use it.
+
+- a second writer is refused at once, naming the holder, by ``nrl resume`` (exit 2, nothing
+  started) and by the flow itself (a deployment run skips the CLI), and nothing of the run is
+  touched; ``nrl runs`` shows ``running`` while the lease is live, whatever ``status.json`` says;
+- a SIGKILLed holder on this machine is dead at once: its lease is taken over without asking;
+- a holder whose lease was taken over is fenced: the flow's between-steps check raises.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.flows.conftest import E2E_RUN_ID, REPO
+
+
+@pytest.fixture
+def run_copy(e2e_run, tmp_path):
+    from nrl_tasks.run_layout import RunLayout
+
+    root = tmp_path / "runs"
+    shutil.copytree(os.path.join(e2e_run["root"], E2E_RUN_ID), root / E2E_RUN_ID)
+    return RunLayout(str(root), E2E_RUN_ID)
+
+
+def _state(root: str) -> str:
+    from flows.run_state import list_runs
+
+    (row,) = list_runs(root)
+    return row["state"]
+
+
+def test_a_second_writer_is_refused_naming_the_holder(run_copy, prefect_harness, capsys):
+    from flows.cli import main
+    from flows.grpo import grpo
+    from flows.run_lease import hold_run_lease, lease_refusal
+
+    layout = run_copy
+    status_before = open(layout.status_uri, "rb").read()
+    assert _state(layout.root) == "completed"
+    lease = hold_run_lease(layout, None, "other-flow-run")
+    try:
+        assert _state(layout.root) == "running"
+        rc = main(["resume", E2E_RUN_ID, "--storage", layout.root])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("nrl: error:") == 1, err
+        assert f"pid {os.getpid()}" in err and "other-flow-run" in err and "--take-over" in err, err
+        with pytest.raises(BaseException) as ei:  # the flow refuses on its own too
+            grpo(config=None, run_id=E2E_RUN_ID, resume=True, storage=layout.root)
+        assert lease_refusal(ei.value) is not None, repr(ei.value)
+        assert open(layout.status_uri, "rb").read() == status_before  # the refused writer wrote nothing
+    finally:
+        lease.release()
+    assert _state(layout.root) == "completed"
+
+
+_HOLDER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from flows.run_lease import hold_run_lease
+from nrl_tasks.run_layout import RunLayout
+hold_run_lease(RunLayout(sys.argv[2], sys.argv[3]), None, "killed-flow")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_holder_is_taken_over_without_asking(run_copy):
+    from flows.run_lease import hold_run_lease, live_holder
+
+    layout = run_copy
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, REPO, layout.root, layout.run_id], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        holder = live_holder(layout)
+        assert holder is not None and holder.pid == proc.pid
+        assert _state(layout.root) == "running"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert live_holder(layout) is None  # same machine, process gone: dead at once, no TTL wait
+    lease = hold_run_lease(layout, None, "resume")
+    try:
+        assert lease.holder.pid == os.getpid() and lease.holder.generation == holder.generation + 1
+    finally:
+        lease.release()
+
+
+def test_a_holder_whose_lease_was_taken_over_is_fenced(run_copy):
+    from flows.run_lease import LeaseSettings, check_fence, hold_run_lease
+    from storage.lease import LeaseHeldError, LeaseLostError
+
+    layout = run_copy
+    fast = LeaseSettings(ttl_s=30.0, heartbeat_s=0.2)
+    first = hold_run_lease(layout, None, "first", settings=fast)
+    try:
+        check_fence(first)
+        with pytest.raises(LeaseHeldError):
+            hold_run_lease(layout, None, "second", settings=fast)
+        second = hold_run_lease(layout, None, "second", take_over=True, settings=fast)
+        try:
+            with pytest.raises(LeaseLostError, match="taken over"):
+                check_fence(first)
+            check_fence(second)
+        finally:
+            second.release()
+    finally:
+        first.release()
