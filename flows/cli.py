@@ -158,44 +158,62 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     )
 
 
-def _on_sigterm(signum: int, _frame: object) -> None:
-    """SIGTERM stops a run like Ctrl-C: the flow unwinds (actors, local Ray) and the CLI prints
-    the resume hint. A second SIGTERM during that clean-up ends the process at once."""
-    from prefect.exceptions import TerminationSignal
+class _StopSignals:
+    """SIGINT and SIGTERM while a run's flow runs: each stops the flow like Ctrl-C (the flow
+    unwinds: actors, local Ray), and which one came decides the exit status, whatever exception
+    Prefect turns it into on the way out (a signal landing inside Prefect's task set-up comes out
+    as another error chained to it). A second signal during that clean-up ends the process."""
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise TerminationSignal(signum)
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        from prefect.exceptions import TerminationSignal
+
+        self.received = signum
+        signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise TerminationSignal(signum)
+
+    def __enter__(self) -> "_StopSignals":
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers (the caller's then apply)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _run_flow(call, layout) -> int:
     """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
     ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
     SIGTERM) is printed with the resume hint: 130 (SIGINT), 143 (SIGTERM), else 1."""
-    from prefect.exceptions import TerminationSignal
-
     hint = f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`"
     t0 = time.perf_counter()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        result = call()
-    except TerminationSignal:
-        print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
-        print(hint, file=sys.stderr)
-        return EXIT_SIGTERM
-    except KeyboardInterrupt:
-        print(f"nrl: run {layout.run_id} interrupted", file=sys.stderr)
-        print(hint, file=sys.stderr)
-        return EXIT_SIGINT
-    except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
-        print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        held = _lease_holder(exc)
-        if held is not None:
-            print(f"nrl: {held}", file=sys.stderr)
-        else:
-            print(hint, file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _StopSignals() as signals:
+        try:
+            result = call()
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
+            if signals.received == signal.SIGTERM:
+                print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
+            elif signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
+                print(f"nrl: run {layout.run_id} interrupted", file=sys.stderr)
+            else:
+                print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            held = _lease_holder(exc)
+            print(f"nrl: {held}" if held is not None else hint, file=sys.stderr)
+            if signals.received == signal.SIGTERM:
+                return EXIT_SIGTERM
+            if signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
+                return EXIT_SIGINT
+            return EXIT_FAILED
     print_summary(result, time.perf_counter() - t0)
     return 0
 

@@ -55,6 +55,7 @@ from flows.run_process import current_process, ephemeral_prefect_servers, reap_l
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.errors import exception_chain
 from storage import retry_policy
 
 __all__ = ["grpo", "new_run_id", "resolve_config", "run_grpo_steps"]
@@ -273,7 +274,8 @@ def _train(
         if not keep:
             rt.shutdown()  # kill the actors, remove the placement groups
     except BaseException as exc:
-        stopped = isinstance(exc, (KeyboardInterrupt, TerminationSignal))  # SIGINT, SIGTERM: resumable, not a failure
+        # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
+        stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
         write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
     finally:

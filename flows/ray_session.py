@@ -7,10 +7,13 @@ process yet) belongs to the run: :func:`local_ray_session` names its session dir
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
+from typing import Iterator
 
 from flows.config import MasterConfig
 
@@ -77,10 +80,26 @@ def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.cluster.ray.address
-    if address or os.environ.get("RAY_ADDRESS"):
-        return init_ray(address, namespace=namespace)
-    check_local_ray_size(cfg)
-    return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
+    with _keep_sigterm_handler():
+        if address or os.environ.get("RAY_ADDRESS"):
+            return init_ray(address, namespace=namespace)
+        check_local_ray_size(cfg)
+        return init_ray(None, num_cpus=cfg.cluster.ray.num_cpus or local_ray_cpus(cfg), namespace=namespace)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` replaces the process's SIGTERM handler with its own (``sys.exit(15)``; a head
+    it started: kill every Ray process, then ``sys.exit(1)``), which turns the CLI's clean stop
+    into a crash in the middle of a stage. A handler the caller installed (a Python function) is
+    put back; the default disposition is left to Ray."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(before):
+            signal.signal(signal.SIGTERM, before)
 
 
 def ray_connected() -> bool:
