@@ -11,17 +11,37 @@ and ``val_attempts`` in the lines of steps that checkpointed / validated. Each i
 count of the task attempt that returned (1: no retry, 2: one retry, ...), or **0** when the stage
 did no work in this flow run: its output was already committed (by an earlier flow run, before a
 resume) or, for the refit, the generation workers already held the weights.
+
+**Repair** (:func:`repair_metrics`, run by every recovery): a line that is not a JSON object with
+a ``step`` is dropped with a warning naming the file and line number (:func:`read_metrics` never
+fails on one), and the line of every trained step before the last that is missing is rebuilt from
+the step's committed datasets and checkpoint (:func:`rebuild_step_metrics`), marked
+``"rebuilt": true``; the file is then rewritten atomically. A rebuilt line holds every figure
+the manifests hold (rewards, loss, tokens, each stage's ``<stage>_s``, ``val_accuracy``,
+``checkpoint_s`` of checkpoints that record their seconds) but not what only the flow run knew:
+``refit_s``, ``step_s`` and the attempts columns (``None``: unknown), and ``compute_s`` /
+``stages_s`` without the refit. Datasets deleted by retention leave their figures ``None``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any, Mapping
 
 from nrl_tasks.stages.graph import STAGES
 
-__all__ = ["build_step_metrics", "format_console_line", "read_metrics", "upsert_metrics"]
+__all__ = [
+    "build_step_metrics",
+    "format_console_line",
+    "read_metrics",
+    "rebuild_step_metrics",
+    "repair_metrics",
+    "upsert_metrics",
+]
+
+_log = logging.getLogger(__name__)
 
 #: stage name in the line ("<name>_s") -> dataset whose manifest holds ``seconds`` (the stage graph)
 STAGE_SECONDS = {s.name: s.output for s in STAGES}
@@ -37,17 +57,41 @@ def _fs():
     return fs
 
 
+def _parse(text: str, uri: str, log: Any = None) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    """``({step: row}, [line numbers of damaged lines])``; each damaged line logged."""
+    rows: dict[int, dict[str, Any]] = {}
+    bad: list[int] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, TypeError, KeyError) as exc:
+            bad.append(n)
+            (log or _log).warning(
+                "%s line %d is damaged (%s: %s), ignored: %.80r", uri, n, type(exc).__name__, exc, line
+            )
+            continue
+        rows[step] = row
+    return rows, bad
+
+
 def read_metrics(uri: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The lines of ``metrics.jsonl`` sorted by step (empty list when the file does not exist)."""
+    """The lines of ``metrics.jsonl`` sorted by step (empty list when the file does not exist);
+    a damaged line is skipped with a warning naming the file and line number."""
     fs = _fs()
     if not fs.exists(uri, storage_options=storage_options):
         return []
-    rows = {}
-    for line in fs.read_text(uri, storage_options=storage_options).splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[int(row["step"])] = row
+    rows, _bad = _parse(fs.read_text(uri, storage_options=storage_options), uri)
     return [rows[k] for k in sorted(rows)]
+
+
+def _write(uri: str, rows: Mapping[int, Mapping[str, Any]], storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
+    ordered = [dict(rows[k]) for k in sorted(rows)]
+    text = "".join(json.dumps(r, sort_keys=False) + "\n" for r in ordered)
+    _fs().write_text_atomic(uri, text, storage_options=storage_options)
+    return ordered
 
 
 def _clean(v: Any) -> Any:
@@ -60,10 +104,7 @@ def upsert_metrics(uri: str, row: Mapping[str, Any], storage_options: dict[str, 
     """Insert or replace the line of ``row["step"]``; rewrite the file atomically; return all rows."""
     rows = {int(r["step"]): r for r in read_metrics(uri, storage_options)}
     rows[int(row["step"])] = {k: _clean(v) for k, v in row.items()}
-    ordered = [rows[k] for k in sorted(rows)]
-    text = "".join(json.dumps(r, sort_keys=False) + "\n" for r in ordered)
-    _fs().write_text_atomic(uri, text, storage_options=storage_options)
-    return ordered
+    return _write(uri, rows, storage_options)
 
 
 def drop_metrics_after(uri: str, step: int, storage_options: dict[str, Any] | None = None) -> None:
@@ -132,6 +173,72 @@ def build_step_metrics(
     if wall_seconds is not None:
         row["step_s"] = wall_seconds
     return {k: _clean(v) for k, v in row.items()}
+
+
+def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics line of trained step ``step`` from what storage holds (its committed
+    datasets, its ``val`` and checkpoint), marked ``"rebuilt": true``; see the module docstring
+    for what it lacks."""
+    import storage
+
+    from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
+    from nrl_tasks.stages.errors import DamagedRunError
+    from nrl_tasks.stages.refs import DatasetRef
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+
+    def committed(name: str) -> dict[str, Any] | None:
+        uri = layout.stage_uri(step, name)
+        if not storage.is_committed(uri, **kw):
+            return None
+        return DatasetRef.from_manifest(storage.read_manifest(uri, **kw), uri).summary()
+
+    manifests = {name: committed(name) for name in {*STAGE_SECONDS.values(), "train"}}
+    rewards = None
+    if manifests.get("rewards") is not None:
+        rw = storage.load_batch(layout.stage_uri(step, "rewards"), columns=["rewards", "reward_valid"], **kw)
+        rewards = (rw["rewards"], rw["reward_valid"])
+    checkpoint = None
+    ck = layout.checkpoint_uri(step)
+    if is_checkpoint_committed(ck, storage_options):
+        try:
+            seconds = read_checkpoint_info(ck, storage_options).get("seconds")
+        except DamagedRunError:  # the resume plan deals with the checkpoint; the line lacks its time
+            seconds = None
+        checkpoint = {"seconds": seconds, "attempts": None}
+    val = committed("val")
+    row = build_step_metrics(step, manifests, val=val, checkpoint=checkpoint, rewards=rewards)
+    for key in [k for k in row if k.endswith("_attempts")]:
+        row[key] = None  # unknown: no record of the flow run that did the work
+    row["rebuilt"] = True
+    return row
+
+
+def repair_metrics(
+    layout: Any, last: int, storage_options: dict[str, Any] | None = None, *, log: Any = None
+) -> list[int]:
+    """Make ``metrics.jsonl`` hold one valid line for each of steps ``1..last``: drop damaged
+    lines (warning with file and line number) and rebuild the missing ones
+    (:func:`rebuild_step_metrics`); rewrite the file atomically when anything changed.
+
+    Returns the steps rebuilt. The caller passes the trained steps whose line it will not write
+    itself (the flow runs the last trained step again, which writes that line)."""
+    log = log or _log
+    uri, fs = layout.metrics_uri, _fs()
+    text = fs.read_text(uri, storage_options=storage_options) if fs.exists(uri, storage_options=storage_options) else ""
+    rows, bad = _parse(text, uri, log)
+    lost = [s for s in range(1, last + 1) if s not in rows]
+    if not lost and not bad:
+        return []
+    for s in lost:
+        rows[s] = rebuild_step_metrics(layout, s, storage_options)
+    _write(uri, rows, storage_options)
+    if lost:
+        log.warning(
+            "%s lacked the line(s) of trained step(s) %s: rebuilt from the committed datasets (marked rebuilt; "
+            "refit_s, step_s and attempts unknown)", uri, ", ".join(map(str, lost)),
+        )
+    return lost
 
 
 def _attempts(result: Mapping[str, Any] | None) -> int:

@@ -1,12 +1,26 @@
 """Carrying out a resume plan, and running steps through actor faults.
 
 :func:`recover` probes the actors, asks :func:`~nrl_tasks.stages.resume_plan.plan_resume` what to
-do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, restore the
-anchor checkpoint (or the initial weights), replay the ``train`` of each later step from its
-persisted batches (recomputing its missing datasets first with the step's own stages, the
-generation workers refitted to that step's weights), then refit the generation workers to the
-run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
+do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, uncommit
+damaged checkpoints, restore the anchor checkpoint (or the initial weights), replay the ``train``
+of each later step from its persisted batches (recomputing its missing datasets first with the
+step's own stages, the generation workers refitted to that step's weights), then refit the
+generation workers to the run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
 finds nothing to do) and after every actor fault.
+
+**Restore verification.** Before a plan restores a checkpoint, :func:`recover` reads the facts
+again with the checkpoints' files checked (sizes and checksums against ``checkpoint.json``), so the
+plan falls back to the newest intact one by itself. After loading, :func:`execute_plan` compares
+the policy's weights checksum with the one the step's ``train`` recorded; on a mismatch (or a
+file that changed since) it raises :class:`~nrl_tasks.stages.checkpoint_files.CheckpointDamagedError`
+and :func:`recover` plans again with that checkpoint counted as damaged: an older one, or the
+initial weights, and a replay of every later step (each verified by its recorded checksum). When
+no fallback can be carried out the plan stops with an error naming the damaged file. A checkpoint
+written before file manifests is checked after loading only, which the log says.
+
+:func:`recover` also rebuilds lost or damaged ``metrics.jsonl`` lines of the steps before the
+last trained one from the committed datasets (:func:`flows.metrics.repair_metrics`; the last
+trained step runs again and writes its own).
 
 :func:`run_step` runs one step's subflow; when a stage fails on an actor fault it waits the
 stage's retry delay, recovers and runs the step again (its committed stages skip), at most
@@ -27,6 +41,7 @@ from prefect.exceptions import MissingContextError
 from prefect.utilities.annotations import quote
 
 from flows.runtime import recreate_generation, recreate_policy
+from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import exception_chain, is_actor_fault
 from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
@@ -48,10 +63,14 @@ def _logger() -> Any:
         return logging.getLogger(__name__)
 
 
-def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None) -> dict[str, Any]:
-    """Carry out ``plan`` on the run's actors (see the module docstring); what was done."""
+def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified: bool = False) -> dict[str, Any]:
+    """Carry out ``plan`` on the run's actors (see the module docstring); what was done.
+
+    ``verified``: the checkpoint to restore had its files checked just now (else the restore
+    checks them). ``CheckpointDamagedError`` when a file or the loaded weights are not what the
+    checkpoint and its step recorded."""
     from flows.step import data_stages
-    from nrl_tasks.stages.checkpoint import restore_checkpoint
+    from nrl_tasks.stages.checkpoint import discard_checkpoint, restore_checkpoint
     from nrl_tasks.stages.refit import refit
     from nrl_tasks.stages.train import replay_train
 
@@ -67,12 +86,18 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None) -> dict[
         recreate_generation(actors, "a worker is dead or does not answer", log)
     if plan.recreate_policy:
         recreate_policy(actors, "; ".join(plan.reasons) or "restore to the initial weights", log)
-    restored = "live"
+    for s, problem in sorted(plan.discard.items()):
+        uri = run.layout.checkpoint_uri(s)
+        discard_checkpoint(uri, problem, run.storage_options)
+        log.warning("discarded damaged checkpoint %s (%s): its step's next checkpoint replaces it", uri, problem)
+    restored, unlisted = "live", False
     if plan.restore_from is not None:
         restored = "initial"
         if plan.restore_from > 0:
             restored = run.layout.checkpoint_uri(plan.restore_from)
-            info = restore_checkpoint(run.policy, restored, run.storage_options)
+            info = restore_checkpoint(run.policy, restored, run.storage_options, verify=not verified)
+            _check_restored_weights(run, plan, restored, info, log)
+            unlisted = not isinstance(info.get("files"), dict)
             log.info("restored checkpoint %s (weights version %d)", restored, int(info["step"]))
     for s in plan.replay:
         t = time.perf_counter()
@@ -81,20 +106,80 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None) -> dict[
             ctx = run.step(s)
             refit(quote(ctx), None, s - 1, force=True)
             data_stages(ctx, s - 1)
-        replay_train(run, s)
+        try:
+            replay_train(run, s)
+        except RuntimeError as exc:
+            if unlisted and s == plan.replay[0] and not is_actor_fault(exc):
+                # the optimizer and RNG states of a checkpoint without file manifest were not
+                # verified: blame the checkpoint first (recovery then tries an older one)
+                raise CheckpointDamagedError(
+                    plan.restore_from, restored, f"the first replay from it failed ({exc}); its optimizer and RNG "
+                    "states are not covered by a file manifest",
+                ) from exc
+            raise
         log.info("replayed train of step %d from persisted batches (%.2fs)", s, time.perf_counter() - t)
     if plan.refit:
         refit(quote(run.step(plan.target)), None, plan.target, force=True)
     return {"restored_from": restored, "replayed": list(plan.replay), "recomputed": dict(plan.recompute)}
 
 
+def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: dict[str, Any], log: Any) -> None:
+    """The restored policy must hold the weights checksum recorded for the checkpoint's step
+    (by its ``train``; else by ``checkpoint.json``)."""
+    step = int(plan.restore_from or 0)
+    want = plan.restore_checksum or info.get("weights_checksum")
+    legacy = not isinstance(info.get("files"), dict)
+    if not want:
+        log.warning(
+            "checkpoint %s: no weights checksum recorded for step %d (logger.weights_checksum=false): the weights "
+            "restored are %s", uri, step, "unverified" if legacy else "checked against the file checksums only",
+        )
+        return
+    got = run.policy.weights_checksum()
+    if got != want:
+        raise CheckpointDamagedError(
+            step, uri, f"the weights loaded from {uri}/weights have checksum {got}, step {step} recorded {want}"
+        )
+    if legacy:
+        log.warning(
+            "checkpoint %s has no file manifest (written before checkpoints listed their files): only the "
+            "weights checksum after loading was verified (it matches step %d's), not the optimizer state", uri, step,
+        )
+
+
 def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy_fresh: bool = False, log: Any = None) -> dict[str, Any]:
     """Probe, plan and execute: afterwards the policy holds the run's weights after its last
-    trained step (at most ``max_step``) and the generation workers hold that version."""
-    facts = read_run_facts(run.layout, run.storage_options, max_step=max_step)
-    health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)
-    plan = plan_resume(facts, health, force_refit=force_refit)
-    return {"plan": plan, **execute_plan(run, plan, log=log)}
+    trained step (at most ``max_step``) and the generation workers hold that version.
+
+    A plan that restores a checkpoint is made from facts with the checkpoints' files checked;
+    a checkpoint found damaged by the restore (its loaded weights) is counted as such and the
+    run planned again (see the module docstring)."""
+    from flows.metrics import repair_metrics
+
+    log = log or _logger()
+    damaged: dict[int, str] = {}
+    while True:
+        facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged)
+        health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)
+        plan = plan_resume(facts, health, force_refit=force_refit)
+        verified = False
+        if plan.restore_from:  # about to load a checkpoint: check its files first
+            facts = read_run_facts(
+                run.layout, run.storage_options, max_step=max_step, damaged=damaged, verify_checkpoints=True
+            )
+            plan = plan_resume(facts, health, force_refit=force_refit)
+            verified = True
+        try:
+            done = execute_plan(run, plan, log=log, verified=verified)
+            break
+        except CheckpointDamagedError as exc:
+            if exc.step in damaged or exc.step != plan.restore_from:
+                raise
+            log.warning("%s; planning the recovery again without it", exc)
+            damaged[exc.step] = exc.problem
+            policy_fresh = False  # the policy now holds the damaged checkpoint's weights
+    repair_metrics(run.layout, facts.last_trained - 1, run.storage_options, log=log)
+    return {"plan": plan, **done}
 
 
 class RetryBudget:

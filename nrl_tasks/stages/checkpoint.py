@@ -5,7 +5,14 @@ A checkpoint ``<run>/checkpoints/step_000008/`` holds the state after the ``trai
     weights/        HF-loadable model (``*.safetensors`` + config) and its tokenizer:
                     ``AutoModelForCausalLM.from_pretrained(".../weights")`` works
     optimizer/      optimizer, scheduler and RNG states (safetensors + JSON; no pickle)
-    checkpoint.json step, weights_version, config_hash, data cursor - written LAST (the commit)
+    checkpoint.json step, weights_version, config_hash, data cursor, the weights checksum the
+                    step's train recorded, the save's seconds and the file manifest (every file
+                    of weights/ and optimizer/ with size and checksum) - written LAST (the commit)
+
+A restore first checks every listed file (size, checksum; :mod:`nrl_tasks.stages.checkpoint_files`)
+and refuses a damaged checkpoint with :class:`~nrl_tasks.stages.checkpoint_files.CheckpointDamagedError`
+naming the file; the resume executor then checks the weights checksum after loading and falls
+back to an older checkpoint (:mod:`flows.recovery`).
 
 Locally the files are written into a ``.tmp-*`` sibling that is renamed into place after
 ``checkpoint.json``. On S3 the policy workers move the bytes themselves (no filesystem shared
@@ -31,22 +38,35 @@ from collections.abc import Callable
 from prefect import task
 
 from nrl_tasks.run_layout import join_uri, parse_step_dir
+from nrl_tasks.stages.checkpoint_files import (
+    COMMIT_FILE,
+    CheckpointDamagedError,
+    check_checkpoint,
+    file_manifest,
+    read_checkpoint_json,
+    remote_file_manifest,
+)
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
 
 __all__ = [
     "COMMIT_FILE",
+    "CheckpointDamagedError",
+    "check_checkpoint",
     "checkpoint",
+    "discard_checkpoint",
     "is_checkpoint_committed",
     "latest_checkpoint",
     "list_checkpoints",
     "local_checkpoint_dir",
+    "read_checkpoint_info",
     "restore_checkpoint",
     "save_checkpoint",
 ]
 
-COMMIT_FILE = "checkpoint.json"
+#: what :func:`discard_checkpoint` leaves in a damaged checkpoint's directory instead of the commit
+DAMAGED_FILE = "damaged.json"
 
 
 def _fs():
@@ -68,7 +88,23 @@ def is_checkpoint_committed(uri: str, storage_options: dict[str, Any] | None = N
 
 
 def read_checkpoint_info(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    return json.loads(_fs().read_text(join_uri(uri, COMMIT_FILE), storage_options=storage_options))
+    """``checkpoint.json``; ``DamagedRunError`` naming the file when it is not valid JSON."""
+    return read_checkpoint_json(uri, storage_options)
+
+
+def discard_checkpoint(uri: str, problem: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Uncommit a damaged checkpoint: write ``damaged.json`` (the problem and the old commit's
+    text), then remove ``checkpoint.json``. Its files stay until a new checkpoint of that step
+    replaces them; no reader sees it as a checkpoint any more."""
+    fs = _fs()
+    commit = join_uri(uri, COMMIT_FILE)
+    try:
+        old = fs.read_text(commit, storage_options=storage_options)
+    except (OSError, ValueError):
+        old = None
+    body = json.dumps({"problem": problem, "discarded_unix": time.time(), "checkpoint_json": old}, indent=2)
+    fs.write_text_atomic(join_uri(uri, DAMAGED_FILE), body, storage_options=storage_options)
+    fs.remove(commit, storage_options=storage_options)
 
 
 def list_checkpoints(checkpoints_uri: str, storage_options: dict[str, Any] | None = None) -> list[tuple[int, str]]:
@@ -101,8 +137,8 @@ def _worker_storage_options(storage_options: dict[str, Any] | None) -> dict[str,
 
 
 def _save_to_s3(
-    policy: Any, uri: str, body: str, *, save_optimizer: bool, storage_options: dict[str, Any] | None,
-    on_written: Callable[[], None] | None,
+    policy: Any, uri: str, info: dict[str, Any], *, save_optimizer: bool, storage_options: dict[str, Any] | None,
+    on_written: Callable[[], None] | None, t0: float,
 ) -> None:
     fs = _fs()
     commit = f"{uri.rstrip('/')}/{COMMIT_FILE}"
@@ -117,7 +153,15 @@ def _save_to_s3(
     )
     if on_written is not None:
         on_written()
+    body = _commit_body(info, remote_file_manifest(uri, storage_options), save_optimizer, t0)
     fs.write_text_atomic(commit, body, storage_options=storage_options)
+
+
+def _commit_body(info: dict[str, Any], manifest: dict[str, Any], save_optimizer: bool, t0: float) -> str:
+    """``checkpoint.json``: ``info``, the file manifest, whether ``optimizer/`` was written and the
+    save's seconds up to the commit."""
+    doc = {**info, **manifest, "optimizer": bool(save_optimizer), "seconds": time.perf_counter() - t0}
+    return json.dumps({**doc, "created_unix": time.time()}, indent=2, sort_keys=True)
 
 
 def save_checkpoint(
@@ -134,10 +178,9 @@ def save_checkpoint(
     t0 = time.perf_counter()
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     if _is_s3(uri):
-        body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
         _save_to_s3(
-            policy, uri, body, save_optimizer=save_optimizer, storage_options=storage_options,
-            on_written=on_written,
+            policy, uri, info, save_optimizer=save_optimizer, storage_options=storage_options,
+            on_written=on_written, t0=t0,
         )
         return {"uri": uri, "seconds": time.perf_counter() - t0, **info}
     target = os.path.abspath(_local(uri))
@@ -152,7 +195,7 @@ def save_checkpoint(
         )
         if on_written is not None:
             on_written()
-        body = json.dumps({**info, "created_unix": time.time()}, indent=2, sort_keys=True)
+        body = _commit_body(info, file_manifest(staging), save_optimizer, t0)
         with open(os.path.join(staging, COMMIT_FILE), "w", encoding="utf-8") as fh:
             fh.write(body)
             fh.flush()
@@ -177,13 +220,29 @@ def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None
     return os.path.abspath(_local(uri)), False
 
 
-def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def restore_checkpoint(
+    policy: Any, uri: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True
+) -> dict[str, Any]:
     """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy
-    (from S3: every worker downloads it on its own node; nothing is staged in this process)."""
+    (from S3: every worker downloads it on its own node; nothing is staged in this process).
+
+    ``verify``: check the listed files first (:func:`check_checkpoint`; off when the caller just
+    did). ``CheckpointDamagedError`` naming the file when one is missing or differs; nothing is
+    loaded then. A checkpoint with a file manifest that recorded an optimizer state is loaded
+    with it or not at all; one without a manifest (written before them) loads what it holds."""
     info = read_checkpoint_info(uri, storage_options)
+    step = int(info.get("step") or parse_step_dir(uri) or 0)
+    if verify:
+        problem = check_checkpoint(uri, storage_options, info=info)
+        if problem:
+            raise CheckpointDamagedError(step, uri, problem)
+    listed = info.get("files") if isinstance(info.get("files"), dict) else None
     if _is_s3(uri):
         base = uri.rstrip("/")
-        has_opt = bool(_fs().walk_files(f"{base}/optimizer", storage_options))
+        if listed is not None:
+            has_opt = bool(info.get("optimizer"))
+        else:
+            has_opt = bool(_fs().walk_files(f"{base}/optimizer", storage_options))
         policy.load_checkpoint(
             f"{base}/weights", f"{base}/optimizer" if has_opt else None,
             storage_options=_worker_storage_options(storage_options),
@@ -193,7 +252,8 @@ def restore_checkpoint(policy: Any, uri: str, storage_options: dict[str, Any] | 
     path, temporary = local_checkpoint_dir(uri, storage_options)
     try:
         opt = os.path.join(path, "optimizer")
-        policy.load_checkpoint(os.path.join(path, "weights"), opt if os.path.isdir(opt) else None)
+        has_opt = bool(info.get("optimizer")) if listed is not None else os.path.isdir(opt)
+        policy.load_checkpoint(os.path.join(path, "weights"), opt if has_opt else None)
         policy.set_weights_version(int(info["weights_version"]))
     finally:
         if temporary:
@@ -225,6 +285,7 @@ def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> Actio
             "config_hash": config_hash,
             "data_cursor": step,
             "model_name": ctx.cfg.policy.model_name,
+            "weights_checksum": trained.get("weights_checksum"),
         }
         out = save_checkpoint(
             run.policy, uri, info, save_optimizer=ctx.cfg.checkpointing.save_optimizer,

@@ -3,8 +3,10 @@
 :func:`plan_resume` is a pure function of two small records:
 
 - :class:`RunFacts` (read from storage by :func:`read_run_facts`): the trained prefix (steps
-  ``1..last`` with a committed ``train``), the committed checkpoints, the datasets missing from the
-  steps a replay would read, the weights checksum each ``train`` recorded;
+  ``1..last`` with a committed ``train``), the committed checkpoints and those found damaged (a
+  file missing or of another size or checksum than ``checkpoint.json`` lists, or weights whose
+  checksum after loading is not the one the step recorded), the datasets missing from the steps
+  a replay would read, the weights checksum each ``train`` recorded;
 - :class:`ActorHealth` (probed by :func:`nrl_tasks.stages.health.probe_actors`): whether every
   policy rank answers and which version it holds (and its weights checksum), whether the
   generation workers answer and which version they hold.
@@ -14,8 +16,9 @@ The plan (:class:`ResumePlan`) says:
 1. re-create the policy workers when a rank is dead or stuck, the generation workers likewise;
 2. keep a live policy when it holds exactly the run's weights after step ``last`` (version and
    recorded checksum) and no replayed step needs repairs; otherwise **restore** the *anchor*, the
-   newest checkpoint at or before ``last`` (none: the initial weights, re-creating live actors that
-   hold others), and **replay** the ``train`` of every step after it from its persisted batches,
+   newest undamaged checkpoint at or before ``last`` (none: the initial weights, re-creating live
+   actors that hold others; a damaged newer one is **discarded**, uncommitted so that the step's
+   next checkpoint replaces it), and **replay** the ``train`` of every step after it from its persisted batches,
    **recomputing** first the missing datasets of a replayed step (``--recompute``; only when its
    ``train`` recorded a checksum, which the replay must then reproduce);
 3. **refit** the generation workers to ``last`` when they are re-created, stale, hold another
@@ -50,11 +53,18 @@ class RunFacts:
     missing: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     #: step -> weights checksum its ``train`` recorded (``None``: none recorded)
     checksums: Mapping[int, str | None] = field(default_factory=dict)
+    #: checkpoint step -> what is wrong with it (names the file); checked ones only
+    damaged_checkpoints: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def anchor(self) -> int:
-        """The newest checkpoint at or before ``last_trained`` (0: none)."""
-        return max((c for c in self.checkpoints if c <= self.last_trained), default=0)
+        """The newest undamaged checkpoint at or before ``last_trained`` (0: none)."""
+        return max((c for c in self.checkpoints if c <= self.last_trained and c not in self.damaged_checkpoints), default=0)
+
+    @property
+    def skipped_checkpoints(self) -> tuple[int, ...]:
+        """The damaged checkpoints newer than the anchor, at or before ``last_trained``."""
+        return tuple(c for c in self.checkpoints if self.anchor < c <= self.last_trained and c in self.damaged_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,10 @@ class ResumePlan:
     recompute: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     refit: bool = False
     reasons: tuple[str, ...] = ()
+    #: damaged checkpoints to uncommit (step -> what is wrong)
+    discard: Mapping[int, str] = field(default_factory=dict)
+    #: the weights checksum the restored checkpoint must hold after loading (``None``: unknown)
+    restore_checksum: str | None = None
 
     @property
     def touches_actors(self) -> bool:
@@ -97,6 +111,8 @@ class ResumePlan:
             parts.append("re-create the policy workers")
         if self.recreate_generation:
             parts.append("re-create the generation workers")
+        if self.discard:
+            parts.append(f"discard damaged checkpoint(s) {', '.join(map(str, sorted(self.discard)))}")
         if self.restore_from is not None:
             parts.append(f"restore {'checkpoint ' + str(self.restore_from) if self.restore_from else 'the initial weights'}")
         if self.recompute:
@@ -113,13 +129,22 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
     """The recovery plan for ``facts`` and ``health`` (pure; see the module docstring).
 
     ``DamagedRunError`` when a replayed step lacks datasets and recorded no checksum to verify
-    recomputed ones against.
+    recomputed ones against (naming the damaged checkpoints when they forced the replay).
     """
     last, anchor = facts.last_trained, facts.anchor
     reasons: list[str] = []
+    skipped = facts.skipped_checkpoints
+    damage = "; ".join(f"checkpoint {c}: {facts.damaged_checkpoints[c]}" for c in reversed(skipped))
     repair = {s: tuple(facts.missing[s]) for s in range(anchor + 1, last + 1) if facts.missing.get(s)}
     for s in sorted(repair):
         if facts.checksums.get(s) is None:
+            if skipped:
+                raise DamagedRunError(
+                    f"run {facts.run_id}: no valid checkpoint to restore ({damage}); "
+                    f"{'checkpoint ' + str(anchor) if anchor else 'the initial weights'} would need a replay of "
+                    f"step {s}, which lacks {list(repair[s])} and recorded no weights checksum to verify recomputed "
+                    "inputs against"
+                )
             raise DamagedRunError(
                 f"run {facts.run_id}: trained step {s} lacks {list(repair[s])} and its train recorded no weights "
                 "checksum (logger.weights_checksum=false), so recomputed inputs could not be verified; restore "
@@ -139,6 +164,8 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
         restore_from = None
     else:
         restore_from = anchor
+        if skipped:
+            reasons.append(f"{damage}: restore {'checkpoint ' + str(anchor) if anchor else 'the initial weights'} instead")
         if not recreate_policy:
             if repair:
                 reasons.append(f"steps {sorted(repair)} lack datasets: restore and replay to recompute them")
@@ -162,14 +189,29 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
         recompute=repair if restore_from is not None else {},
         refit=refit,
         reasons=tuple(reasons),
+        discard={c: facts.damaged_checkpoints[c] for c in skipped} if restore_from is not None else {},
+        restore_checksum=facts.checksums.get(anchor) if restore_from else None,
     )
 
 
-def read_run_facts(layout: Any, storage_options: dict[str, Any] | None = None, *, max_step: int | None = None) -> RunFacts:
-    """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix)."""
+def read_run_facts(
+    layout: Any,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    max_step: int | None = None,
+    verify_checkpoints: bool = False,
+    damaged: Mapping[int, str] | None = None,
+) -> RunFacts:
+    """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix).
+
+    ``verify_checkpoints``: check the files of the checkpoints at or before the last trained
+    step, newest first, until one passes (:func:`~nrl_tasks.stages.checkpoint_files.check_checkpoint`;
+    it reads every byte of a local checkpoint, so recovery asks only when it would restore one).
+    ``damaged``: checkpoints already found damaged (step -> problem), kept as facts.
+    """
     import storage
 
-    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.checkpoint import check_checkpoint, list_checkpoints
 
     kw = {"storage_options": storage_options} if storage_options else {}
     last = 0
@@ -180,11 +222,21 @@ def read_run_facts(layout: Any, storage_options: dict[str, Any] | None = None, *
             break
         last += 1
         checksums[last] = storage.read_manifest(uri, **kw).meta.get("weights_checksum")
-    checkpoints = tuple(s for s, _ in list_checkpoints(layout.checkpoints_uri, storage_options))
-    anchor = max((c for c in checkpoints if c <= last), default=0)
+    listed = list_checkpoints(layout.checkpoints_uri, storage_options)
+    checkpoints = tuple(s for s, _ in listed)
+    bad = {s: p for s, p in (damaged or {}).items() if s in checkpoints}
+    if verify_checkpoints:
+        for s, uri in reversed(listed):
+            if s > last or s in bad:
+                continue
+            problem = check_checkpoint(uri, storage_options)
+            if problem is None:
+                break
+            bad[s] = problem
+    anchor = max((c for c in checkpoints if c <= last and c not in bad), default=0)
     missing = {}
     for s in range(anchor + 1, last + 1):
         gone = tuple(d for d in STEP_INPUTS if not storage.is_committed(layout.stage_uri(s, d), **kw))
         if gone:
             missing[s] = gone
-    return RunFacts(layout.run_id, last, checkpoints, missing, checksums)
+    return RunFacts(layout.run_id, last, checkpoints, missing, checksums, bad)

@@ -38,3 +38,72 @@ def test_uninterrupted_run_reports_one_attempt_and_the_retried_refit(e2e_run):
     assert "checkpoint_attempts" not in rows[0]
     assert rows[1]["checkpoint_attempts"] == rows[2]["checkpoint_attempts"] == 1
     assert rows[1]["val_attempts"] == 1 and "val_attempts" not in rows[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# repair: lost and damaged lines are rebuilt from the committed datasets
+
+#: figures a rebuilt line must reproduce exactly (the rest only the flow run knew: refit_s,
+#: step_s, attempts; compute_s / stages_s include the refit; checkpoint_s is timed a little later)
+REBUILT_EXACT = (
+    "weights_version", "reward_mean", "reward_std", "reward_max", "invalid_rewards", "loss", "grad_norm",
+    "groups_with_signal", "new_tokens", "truncated_frac", "tokens_per_s", "train_tokens_per_s", "prompts_s",
+    "generate_s", "score_s", "logprob_s", "advantages_s", "train_s", "val_accuracy", "val_s",
+)
+
+
+def _copy_reference(e2e_run, tmp_path):
+    import shutil
+
+    from nrl_tasks.run_layout import RunLayout
+
+    run_id = e2e_run["result"]["run_id"]
+    root = str(tmp_path / "runs")
+    shutil.copytree(os.path.join(e2e_run["root"], run_id), os.path.join(root, run_id))
+    ref = read_metrics(os.path.join(e2e_run["root"], run_id, "metrics.jsonl"))
+    return RunLayout(root, run_id), ref
+
+
+def test_a_garbage_line_is_skipped_with_file_and_line_number(tmp_path, caplog):
+    uri = str(tmp_path / "metrics.jsonl")
+    with open(uri, "w") as fh:
+        fh.write('{"step": 1, "loss": 0.5}\n{"step": 2, "lo\x00ss\n[3]\n{"step": 4}\n')
+    with caplog.at_level("WARNING", logger="flows.metrics"):
+        rows = read_metrics(uri)
+    assert [r["step"] for r in rows] == [1, 4]
+    assert f"{uri} line 2 is damaged" in caplog.text and f"{uri} line 3 is damaged" in caplog.text
+
+
+def test_an_emptied_file_is_rebuilt_from_the_committed_datasets(e2e_run, tmp_path):
+    from flows.metrics import repair_metrics
+
+    layout, ref = _copy_reference(e2e_run, tmp_path)
+    open(layout.metrics_uri, "w").close()
+    assert repair_metrics(layout, 3) == [1, 2, 3]
+    rows = read_metrics(layout.metrics_uri)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for got, want in zip(rows, ref):
+        assert got["rebuilt"] is True
+        assert {k: got.get(k) for k in REBUILT_EXACT} == {k: want.get(k) for k in REBUILT_EXACT}, got["step"]
+        assert got["train_attempts"] is None and "refit_s" not in got and "step_s" not in got
+    assert "checkpoint_s" not in rows[0] and rows[1]["checkpoint_s"] > 0 and rows[2]["checkpoint_s"] > 0
+    assert repair_metrics(layout, 3) == []  # nothing left to do
+
+
+def test_a_garbage_line_is_rebuilt_and_the_others_kept(e2e_run, tmp_path, caplog):
+    from flows.metrics import repair_metrics
+
+    layout, ref = _copy_reference(e2e_run, tmp_path)
+    lines = open(layout.metrics_uri).read().splitlines()
+    lines[1] = lines[1][:40]  # a torn line
+    with open(layout.metrics_uri, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    with caplog.at_level("WARNING", logger="flows.metrics"):
+        assert repair_metrics(layout, 3) == [2]
+    assert f"{layout.metrics_uri} line 2 is damaged" in caplog.text
+    rows = read_metrics(layout.metrics_uri)
+    assert rows[0] == ref[0] and rows[2] == ref[2]  # untouched
+    assert rows[1]["rebuilt"] is True and rows[1]["loss"] == ref[1]["loss"] and rows[1]["val_accuracy"] == ref[1]["val_accuracy"]
+    assert "\x00" not in open(layout.metrics_uri).read() and not [
+        n for n in os.listdir(os.path.dirname(layout.metrics_uri)) if n.startswith(".") and "metrics" in n
+    ]  # rewritten atomically, no temp file left

@@ -62,3 +62,56 @@ def test_missing_datasets_of_a_replayed_step_are_recomputed_then_verified():
 def test_steps_at_or_before_the_anchor_are_never_replayed():
     plan = plan_resume(_facts(last=2, checkpoints=(2,)), ActorHealth(None, 2, True))
     assert plan.restore_from == 2 and plan.replay == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged checkpoints (restore verification): the plan falls back from facts alone
+
+def _damaged(last=4, checkpoints=(2, 4), damaged=None, missing=None, checksums=None):
+    return RunFacts("r", last, tuple(checkpoints), missing or {}, checksums or {s: f"c{s}" for s in range(1, last + 1)},
+                    damaged or {})
+
+
+FRESH = ActorHealth(policy_version=0, generation_version=0, generation_alive=True, policy_fresh=True)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one_and_is_discarded():
+    problem = "/r/checkpoints/step_000004/optimizer/optimizer.json is missing (checkpoint.json lists it)"
+    facts = _damaged(damaged={4: problem})
+    assert facts.anchor == 2 and facts.skipped_checkpoints == (4,)
+    plan = plan_resume(facts, FRESH, force_refit=True)
+    assert plan.restore_from == 2 and plan.replay == (3, 4) and plan.discard == {4: problem}
+    assert plan.restore_checksum == "c2"  # what the restored weights must hash to
+    text = plan.describe()
+    assert "discard damaged checkpoint(s) 4" in text and "optimizer/optimizer.json is missing" in text
+    assert "restore checkpoint 2 instead" in text
+
+
+def test_no_intact_checkpoint_falls_back_to_the_initial_weights():
+    facts = _damaged(damaged={2: "weights/model.safetensors has checksum x", 4: "y"})
+    live = ActorHealth(policy_version=4, generation_version=4, generation_alive=True, policy_checksum="other")
+    plan = plan_resume(facts, live)
+    assert plan.restore_from == 0 and plan.replay == (1, 2, 3, 4) and plan.recreate_policy  # live actors hold others
+    assert sorted(plan.discard) == [2, 4] and plan.restore_checksum is None
+    assert "restore the initial weights instead" in plan.describe()
+
+
+def test_no_usable_fallback_stops_naming_the_damaged_file():
+    problem = "/r/checkpoints/step_000002/weights/model.safetensors has checksum a1, checkpoint.json lists b2"
+    facts = _damaged(last=3, checkpoints=(2,), damaged={2: problem}, missing={1: ("rollouts",)},
+                     checksums={2: "c2", 3: "c3"})
+    with pytest.raises(DamagedRunError, match="no valid checkpoint to restore") as err:
+        plan_resume(facts, FRESH)
+    assert problem in str(err.value) and "step 1" in str(err.value)
+
+
+def test_a_damaged_checkpoint_never_touches_a_live_policy_that_holds_the_run_weights():
+    plan = plan_resume(_damaged(damaged={4: "x"}), LIVE)
+    assert not plan.touches_actors and plan.discard == {}
+
+
+def test_damaged_checkpoints_after_the_trained_prefix_do_not_matter():
+    facts = _damaged(last=3, checkpoints=(2, 4), damaged={4: "x"})
+    assert facts.anchor == 2 and facts.skipped_checkpoints == ()
+    plan = plan_resume(facts, FRESH)
+    assert plan.restore_from == 2 and plan.discard == {}
