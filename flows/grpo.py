@@ -276,7 +276,10 @@ def _train(
     except BaseException as exc:
         # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
         stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
-        write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        try:  # best effort: on a full disk or a lost bucket the status cannot be written either
+            write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
+            logger.warning("could not record the run's end in status.json: %s", status_exc)
         raise
     finally:
         if own_ray and not keep:

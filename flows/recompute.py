@@ -99,13 +99,19 @@ def _kw(storage_options: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def resume_window(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> tuple[int, int]:
-    """``(anchor, last)``: the newest checkpoint step at or before the last trained step (0 if
-    none) and the last trained step. A resume reads the batches of steps ``anchor+1 .. last+1``."""
-    from nrl_tasks.stages.checkpoint import latest_checkpoint
+    """``(anchor, last)``: the newest checkpoint step at or before the last trained step whose
+    files check out (0 if none; a damaged one is passed over, as the resume plan does) and the
+    last trained step. A resume reads the batches of steps ``anchor+1 .. last+1``."""
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.checkpoint_files import check_checkpoint
 
     last = trained_prefix(layout, storage_options=storage_options)
-    ck = latest_checkpoint(layout.checkpoints_uri, max_step=last, storage_options=storage_options) if last else None
-    return (ck[0] if ck else 0), last
+    if not last:
+        return 0, 0
+    for step, uri in reversed(list_checkpoints(layout.checkpoints_uri, storage_options)):
+        if step <= last and check_checkpoint(uri, storage_options) is None:
+            return step, last
+    return 0, last
 
 
 def find_damaged(

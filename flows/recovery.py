@@ -192,6 +192,8 @@ class RetryBudget:
         self.used: dict[tuple[int, str], int] = {}
 
     def retryable(self, stage: str, exc: BaseException) -> bool:
+        if any(not isinstance(e, Exception) for e in exception_chain(exc)):
+            return False  # SIGINT/SIGTERM/SystemExit (user code, or Ray's handler): the process is told to stop
         if stage == "refit":
             from nrl_tasks.utils.refit import RefitMismatchError
 

@@ -95,9 +95,11 @@ def retries_of(name: str) -> int:
     return failed
 
 
-def run_nrl(args: list[str], api_url: str, *, kill_at: str | None = None, timeout: float = 300) -> Any:
+def run_nrl(
+    args: list[str], api_url: str, *, kill_at: str | None = None, timeout: float = 300, env_extra: dict[str, str] | None = None
+) -> Any:
     """``python -m flows.cli ARGS`` in a fresh process (Prefect server ``api_url``), optionally with
-    ``NRL_FAULT_KILL_AT=kill_at``; returns the ``CompletedProcess``."""
+    ``NRL_FAULT_KILL_AT=kill_at`` and more variables (``env_extra``); returns the ``CompletedProcess``."""
     import subprocess
     import sys
 
@@ -110,6 +112,7 @@ def run_nrl(args: list[str], api_url: str, *, kill_at: str | None = None, timeou
         env.pop(k, None)
     if kill_at:
         env["NRL_FAULT_KILL_AT"] = kill_at
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

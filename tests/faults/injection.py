@@ -30,6 +30,11 @@ falls back to ``sigkill``.
 ``NRL_FAULT_LOG=/path/file.jsonl`` (optional) records each actor kill (target, pid, the
 frame it landed in, wall time), so a test can check the fault happened where it meant to.
 
+**Disk full.** ``NRL_FAULT_FILL_DISK_AT=stage@step[:where]`` (points as above): when the stage
+reaches the point, the flow process fills the file system of the run's storage root with a
+file ``<root>/.nrl-fault-filler`` (zeros, until ``ENOSPC``); the test removes it to "free space".
+Meant for a root on a small file system of its own (a tmpfs mount).
+
 **Refit.** ``NRL_FAULT_REFIT_PARTIAL=STEP[,STEP...]`` makes the first attempt of the refit at
 ``STEP`` (in this process) fail mid-stream: the driver itself produces the first packed chunk of a
 stream (zeros) and then drops the group, so the workers receive part of the bytes and fail
@@ -60,6 +65,9 @@ __all__ = [
     "observer",
     "ACTOR_ENV_VAR",
     "ENV_VAR",
+    "FILL_ENV_VAR",
+    "FILLER_NAME",
+    "fill_disk",
     "LOG_ENV_VAR",
     "arm_actor_kill",
     "fault_point",
@@ -74,6 +82,8 @@ ENV_VAR = "NRL_FAULT_KILL_AT"
 PARTIAL_ENV = "NRL_FAULT_REFIT_PARTIAL"
 ACTOR_ENV_VAR = "NRL_FAULT_KILL_ACTOR_AT"
 LOG_ENV_VAR = "NRL_FAULT_LOG"
+FILL_ENV_VAR = "NRL_FAULT_FILL_DISK_AT"
+FILLER_NAME = ".nrl-fault-filler"
 _WHERE = ("before", "during", "after")
 _HOW = ("ray_kill", "sigkill", "freeze")
 _ROLES = ("policy", "generation")
@@ -395,6 +405,9 @@ class FaultInjector:
 
     def on_stage(self, ctx: Any, stage: str, point: str) -> None:
         fault_point(stage, ctx.step, _POINT[point])
+        fill = os.environ.get(FILL_ENV_VAR)
+        if fill and (stage, int(ctx.step), _POINT[point]) in parse_fault_points(fill):
+            fill_disk(ctx.run.layout.root)
         if stage == "refit" and point == "start":
             self._maybe_partial_refit(ctx)
 
@@ -410,6 +423,30 @@ class FaultInjector:
         deadline = time.monotonic() + float(ctx.cfg.grpo.refit.timeout_s)
         ctx.generation.mark_stale()
         inject_partial_stream(ctx.generation, ctx.policy.prepare_refit_info(), version, deadline)
+
+
+def fill_disk(root: str) -> int:
+    """Fill the file system holding ``root`` (``<root>/.nrl-fault-filler``); bytes written."""
+    import errno
+
+    path = os.path.join(root, FILLER_NAME)
+    chunk = b"\0" * (1 << 20)
+    written = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        while True:
+            try:
+                written += os.write(fd, chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    break
+                chunk = chunk[: len(chunk) // 2]
+    finally:
+        os.close(fd)
+    _record({"kind": "disk_full", "root": root, "bytes": written, "t": time.time()})
+    return written
 
 
 def observer() -> FaultInjector:
