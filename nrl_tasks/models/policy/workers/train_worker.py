@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -32,6 +31,7 @@ from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.errors import NonFiniteTrainingError
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
+from nrl_tasks.models.policy.workers.batches import check_inputs, on_device, to_float, with_default_masks
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
     length_mask,
@@ -39,15 +39,14 @@ from nrl_tasks.models.policy.workers.logprobs import (
     padded_forward_logprobs,
 )
 from nrl_tasks.models.policy.workers.optim import (
-    all_finite,
     allreduce_gradients,
     build_optimizer,
     build_scheduler,
     clip_and_norm,
-    first_nonfinite,
     trainable_named_parameters,
 )
 from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
+from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_invalid_weights
 from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
 from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
@@ -193,13 +192,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         partially updated; see :class:`NonFiniteTrainingError`); ``load_checkpoint`` or ``setup``
         makes them valid again."""
         self._require_ready()
-        bad = self._invalid_weights
-        if bad is not None:
-            raise NonFiniteTrainingError(
-                f"policy worker rank {self.rank}: {what} refused: the weights are invalid since a failed train "
-                f"call ({bad}); load a checkpoint (or re-create the policy) first",
-                what="invalid_weights", weights_version=self.weights_version, rank=self.rank, weights_valid=False,
-            )
+        refuse_invalid_weights(self._invalid_weights, what, rank=self.rank, weights_version=self.weights_version)
 
     def _autocast(self):
         if self.cfg.precision == "bfloat16":
@@ -231,7 +224,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._require_valid_weights("get_logprobs")
         self._check_causal_lm("get_logprobs")
         self._to_device()  # back from an offload, if any
-        _check_inputs(data)
+        check_inputs(data)
         width = data["input_ids"].shape[1]
         if data.size == 0:
             return BatchedDataDict({"logprobs": torch.zeros(0, width, dtype=torch.float32)})
@@ -277,7 +270,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._require_valid_weights("get_topk_logits")
         self._check_causal_lm("get_topk_logits")
         self._to_device()  # back from an offload, if any
-        _check_inputs(data)
+        check_inputs(data)
         batch, width = data["input_ids"].shape
         values = torch.zeros(batch, width, k, dtype=torch.float32)
         indices = torch.zeros(batch, width, k, dtype=torch.long)
@@ -319,11 +312,12 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         weights, optimizer state and version stay as they were. A step that overflows float32
         (torch refusing the step size, or a non-finite parameter after it) raises it with
         ``weights_valid=False``; the worker then refuses further use until ``load_checkpoint``.
+        The checks live in :mod:`~nrl_tasks.models.policy.workers.finite_guard`.
         """
         self._require_valid_weights("train")
         self._check_causal_lm("train")
         self._to_device()  # back from an offload, if any
-        _check_inputs(data)
+        check_inputs(data)
         if not eval_mode and self.optimizer is None:
             raise ValueError("this policy was created with init_optimizer=False: it cannot train")
         gbs = gbs or self.cfg.train_global_batch_size
@@ -376,7 +370,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     def _train_global_batch(
         self, index: int, gb: BatchedDataDict, loss_fn: Any, eval_mode: bool, mbs: int, results: dict
     ) -> None:
-        gb = _with_default_masks(gb)
+        gb = with_default_masks(gb)
         token_mask, sample_mask = gb["token_mask"], gb["sample_mask"]
         counts = torch.tensor(
             [float((token_mask[:, 1:].double() * sample_mask.double().unsqueeze(1)).sum()), float(sample_mask.double().sum())],
@@ -392,7 +386,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         total = torch.zeros((), dtype=torch.float64)
         bad_mb: int | None = None  # first micro-batch of this rank whose loss is not finite
         for mb_index, mb in enumerate(micro_batches):
-            mb = _on_device(mb, self.device)
+            mb = on_device(mb, self.device)
             with torch.set_grad_enabled(not eval_mode):
                 lp = self._mb_logprobs(mb, packed)
                 loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
@@ -405,7 +399,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
                 break
             total += mb_loss
             for key, value in (metrics or {}).items():
-                results["all_mb_metrics"].setdefault(key, []).append(_to_float(value))
+                results["all_mb_metrics"].setdefault(key, []).append(to_float(value))
         # the loss and "some rank saw a non-finite loss" in one all-reduce: every rank decides alike
         loss_and_flag = torch.stack([total, torch.tensor(float(bad_mb is not None), dtype=torch.float64)])
         loss_and_flag = loss_and_flag.to(self._comm_device())
@@ -413,58 +407,14 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         loss_sum = loss_and_flag[0]
         grad_norm = 0.0
         if not eval_mode:
-            # weights and optimizer state are untouched until optimizer.step(); only if an
-            # earlier global batch of this call stepped are they no longer the call's start
-            where = {"weights_version": self.weights_version + 1, "global_batch": index, "rank": self.rank,
-                     "weights_valid": index == 0}
-            if float(loss_and_flag[1]) > 0 or not math.isfinite(float(loss_sum)):
-                mb_text = f"micro-batch {bad_mb}" if bad_mb is not None else "a micro-batch of another rank"
-                raise NonFiniteTrainingError(
-                    f"non-finite loss ({float(total)}) in {mb_text} of global batch {index} of the train call for "
-                    f"weights version {self.weights_version + 1} (rank {self.rank}); optimizer step skipped"
-                    f"{_state_note(index)}",
-                    what="loss", value=float(total), microbatch=bad_mb, **where,
-                )
+            guard = StepGuard(weights_version=self.weights_version + 1, global_batch=index, rank=self.rank)
+            guard.check_loss(float(loss_and_flag[1]), loss_sum, total, bad_mb)
             allreduce_gradients(self.params, self.world_size)
             grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)
-            if not math.isfinite(grad_norm):
-                bad = first_nonfinite([(n, p.grad) for n, p in zip(self.param_names, self.params)])
-                detail = f"first non-finite gradient: {bad}" if bad else "every gradient is finite, their norm overflows float32"
-                raise NonFiniteTrainingError(
-                    f"non-finite grad_norm ({grad_norm}) in global batch {index} of the train call for weights version "
-                    f"{self.weights_version + 1} (rank {self.rank}; {detail}); optimizer step skipped{_state_note(index)}",
-                    what="grad_norm", value=grad_norm, parameter=bad, **where,
-                )
-            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-            if not all(math.isfinite(lr) for lr in lrs):
-                raise NonFiniteTrainingError(
-                    f"non-finite learning rate {lrs} in global batch {index} of the train call for weights version "
-                    f"{self.weights_version + 1} (rank {self.rank}); optimizer step skipped{_state_note(index)}",
-                    what="lr", value=next(lr for lr in lrs if not math.isfinite(lr)), **where,
-                )
-            try:
-                self.optimizer.step()
-            except (RuntimeError, OverflowError) as exc:
-                # torch refuses a step size beyond float32 (lr 1e39, say) mid-step: some
-                # parameters and moments were already updated
-                if "overflow" not in str(exc):
-                    raise
-                raise NonFiniteTrainingError(
-                    f"the optimizer step of global batch {index} of the train call for weights version "
-                    f"{self.weights_version + 1} overflowed float32 (rank {self.rank}; lr {lrs[0]}): {exc}. The weights "
-                    "and optimizer state of this policy are no longer valid: load a checkpoint (or re-create the "
-                    "policy) before using it",
-                    what="update", value=lrs[0], **{**where, "weights_valid": False},
-                ) from exc
-            if not all_finite(self.params):
-                bad = first_nonfinite(list(zip(self.param_names, self.params)))
-                raise NonFiniteTrainingError(
-                    f"parameter {bad} is not finite after the optimizer step of global batch {index} of the train "
-                    f"call for weights version {self.weights_version + 1} (rank {self.rank}; loss {float(loss_sum)}, "
-                    f"grad_norm {grad_norm}, lr {lrs[0]}): the update overflowed. The weights and optimizer state of "
-                    "this policy are no longer valid: load a checkpoint (or re-create the policy) before using it",
-                    what="parameter", parameter=bad, **{**where, "weights_valid": False},
-                )
+            guard.check_grad_norm(grad_norm, self.param_names, self.params)
+            lrs = guard.check_lr(self.optimizer)
+            guard.step(self.optimizer, lrs[0])
+            guard.check_parameters(self.param_names, self.params, loss=loss_sum, grad_norm=grad_norm, lr=lrs[0])
             self.scheduler.step()
         results["global_loss"].append(float(loss_sum))
         results["grad_norm"].append(grad_norm)
@@ -493,7 +443,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             from nrl_tasks.models.generation.hf_sampling import generate_batch
         except ImportError as exc:  # pragma: no cover - module ships with the package
             raise NotImplementedError(f"Policy.generate needs nrl_tasks.models.generation.hf_sampling: {exc}") from exc
-        _check_inputs(data)
+        check_inputs(data)
         self.model.eval()
         stop_strings = data.get("stop_strings", gen.stop_strings)
         out = generate_batch(
@@ -522,7 +472,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         if not self.cfg.reward_model_cfg.enabled:
             raise ValueError("Policy.score needs reward_model_cfg.enabled (a sequence-classification model)")
         self._to_device()
-        _check_inputs(data)
+        check_inputs(data)
         if data.size == 0:
             return BatchedDataDict({"scores": torch.zeros(0, dtype=torch.float32)})
         self.model.eval()
@@ -536,45 +486,3 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             logits = self.model.score(hidden).float()  # [B, S, num_labels]
         last = logits[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
         return BatchedDataDict({"scores": last[:, 0].cpu()})
-
-# ------------------------------------------------------------------------------ helpers
-def _check_inputs(data: BatchedDataDict) -> None:
-    for key in ("input_ids", "input_lengths"):
-        if key not in data:
-            raise ValueError(f"batch is missing key {key!r} (have {sorted(data.keys())})")
-    ids, lengths = data["input_ids"], data["input_lengths"]
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
-        raise ValueError(f"input_ids must be a [B, S] tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (ids.shape[0],):
-        raise ValueError(f"input_lengths must be a [B] tensor for input_ids {tuple(ids.shape)}")
-
-
-def _with_default_masks(data: BatchedDataDict) -> BatchedDataDict:
-    """Add ``token_mask`` (positions < length) and ``sample_mask`` (ones) when absent."""
-    if "token_mask" in data and "sample_mask" in data:
-        return data
-    out = type(data)(dict(data))
-    for attr in ("micro_batch_kind", "micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb"):
-        setattr(out, attr, getattr(data, attr))
-    if "token_mask" not in out:
-        out["token_mask"] = length_mask(data["input_lengths"], data["input_ids"].shape[1]).to(torch.float32)
-    if "sample_mask" not in out:
-        out["sample_mask"] = torch.ones(data.size, dtype=torch.float32)
-    return out
-
-
-def _state_note(global_batch: int) -> str:
-    if global_batch == 0:
-        return "; weights and optimizer state are unchanged"
-    return (f"; the {global_batch} earlier global batch(es) of this call did step, so the weights are a partial "
-            "update and no longer valid: load a checkpoint before using this policy")
-
-
-def _on_device(mb: BatchedDataDict, device: torch.device) -> BatchedDataDict:
-    return mb if device.type == "cpu" else mb.to(device)
-
-
-def _to_float(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean()) if value.numel() else 0.0
-    return value
