@@ -3,9 +3,10 @@
 ``save_batch(batch, uri, num_shards=1, *, overwrite=False, storage_options=None, **meta)``
 writes a ``BatchedDataDict``; ``load_batch(uri, shard=None, ...)`` reads it back. Datasets
 live at a local path, ``file://`` or ``s3://`` URI: ``part-*.arrow`` shards and a
-``_manifest.json`` written last (the commit). See ``storage.store`` for the protocol,
-``storage.tensor_codec`` / ``storage.pycodec`` for the column layouts and ``storage.fs`` for
-the filesystem helpers shared with checkpoints, metrics and configs, and ``storage.retry`` for
+``_manifest.json`` written last (the commit). See ``storage.commit`` for the write protocol,
+``storage.store`` for reading, ``storage.tensor_codec`` / ``storage.pycodec`` for the column
+layouts and ``storage.fs`` for the filesystem helpers shared with checkpoints, metrics and
+configs (writes in ``storage.atomic``, re-exported there), and ``storage.retry`` for
 the backoff of remote calls that fail transiently (``StorageUnavailableError`` once spent).
 Commits are exclusive (``storage.fs.create_only``); ``storage.lease.RunLease`` gives one
 writer per run.

@@ -2,23 +2,30 @@
 
 A dataset directory holds ``part-00000.arrow`` ... ``part-NNNNN.arrow`` (Arrow IPC files, one
 contiguous row range each, in order) and ``_manifest.json``. Without the manifest the
-directory is not a dataset: readers refuse it.
+directory is not a dataset: readers refuse it. :func:`parse_manifest` validates a manifest
+read back (shard names and ranges, checksums, format version) before anyone trusts it.
 """
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from storage.checksum import ALGORITHMS, combine
+from storage.errors import CorruptDatasetError
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "SHARD_RE",
     "ColumnSpec",
     "Manifest",
     "ShardInfo",
+    "parse_manifest",
     "shard_name",
 ]
 
@@ -27,6 +34,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "_manifest.json"
 
 ColumnKind = Literal["tensor", "tensor_list", "arrow", "json"]
+#: Shard file names: plain ``part-00000.arrow``, or one writer attempt's ``part-00000.<token>.arrow``.
+SHARD_RE = re.compile(r"^part-\d{5,}(\.[0-9a-f]{12})?\.arrow$")
+_HEX_RE = re.compile(r"^[0-9a-f]{1,128}$")
 
 
 def shard_name(index: int) -> str:
@@ -110,3 +120,44 @@ class Manifest(BaseModel):
             "checksum": self.checksum,
             **{k: v for k, v in self.meta.items() if isinstance(v, (str, int, float, bool))},
         }
+
+
+def parse_manifest(raw: bytes, where: str, uri: str) -> Manifest:
+    """Validate the manifest bytes read from ``where``; returns it with its ``uri`` set to ``uri``.
+
+    Raises ``CorruptDatasetError`` naming ``where`` for anything a writer of this store never
+    produces: invalid JSON or fields, a newer format version, bad shard names or ranges,
+    non-hex or inconsistent checksums, an unknown checksum algorithm, duplicate columns.
+    """
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValueError as exc:
+        raise CorruptDatasetError(f"manifest {where} is invalid: {exc}") from None
+    if manifest.format_version > FORMAT_VERSION:
+        raise CorruptDatasetError(
+            f"manifest {where} has format version {manifest.format_version}; this reader knows "
+            f"up to {FORMAT_VERSION}"
+        )
+    expected = 0
+    for info in manifest.shards:
+        if not SHARD_RE.match(info.name) or info.start != expected:
+            raise CorruptDatasetError(f"manifest {where}: bad shard entry {info.name!r}")
+        expected += info.rows
+    if len(manifest.shards) != manifest.num_shards or expected != manifest.rows:
+        raise CorruptDatasetError(
+            f"manifest {where}: {len(manifest.shards)} shards with {expected} rows, header says "
+            f"{manifest.num_shards} shards with {manifest.rows} rows"
+        )
+    digests = [s.checksum for s in manifest.shards] + [manifest.checksum]
+    if not all(_HEX_RE.match(d) for d in digests):
+        raise CorruptDatasetError(f"manifest {where}: checksums must be hex digests")
+    if manifest.checksum_algorithm not in ALGORITHMS:
+        raise CorruptDatasetError(
+            f"manifest {where}: unknown checksum algorithm {manifest.checksum_algorithm!r}; known: {list(ALGORITHMS)}"
+        )
+    names = manifest.column_names
+    if len(set(names)) != len(names):
+        raise CorruptDatasetError(f"manifest {where}: duplicate column names in {names}")
+    if combine(s.checksum for s in manifest.shards) != manifest.checksum:
+        raise CorruptDatasetError(f"manifest {where}: the dataset checksum does not match the shard checksums")
+    return manifest.model_copy(update={"uri": uri})

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from storage.checksum import digest, new_hasher
 from storage.errors import CorruptDatasetError, MissingShardError
-from storage.fs import commit_local, local_temp_path
+from storage.atomic import commit_local, local_temp_path
 from storage.manifest import ShardInfo
 
 __all__ = ["VerifyMode", "check_shard", "open_local_shard", "read_table", "serialize", "write_local"]

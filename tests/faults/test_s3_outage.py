@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import storage
-from storage import store as store_mod
+from storage import commit as commit_mod
 from storage.retry import StorageUnavailableError, retry_policy
 from tests.fixtures.s3 import RestartableS3Server, free_port
 from tests.storage.helpers import same_batch
@@ -115,7 +115,7 @@ def test_save_interrupted_by_an_outage_commits_once_then_a_load_waits_out_anothe
     uri = f"{bucket}/{key}"
     batch = make_batch()
     killed = threading.Event()
-    real_serialize = store_mod.serialize
+    real_serialize = commit_mod.serialize
     calls = []
 
     def serialize_then_kill(*args: Any, **kwargs: Any) -> Any:
@@ -125,8 +125,8 @@ def test_save_interrupted_by_an_outage_commits_once_then_a_load_waits_out_anothe
             killed.set()
         return real_serialize(*args, **kwargs)
 
-    monkeypatch.setattr(store_mod, "_S3_PUT_GROUP_BYTES", 1)  # one PUT per shard, in order
-    monkeypatch.setattr(store_mod, "serialize", serialize_then_kill)
+    monkeypatch.setattr(commit_mod, "_S3_PUT_GROUP_BYTES", 1)  # one PUT per shard, in order
+    monkeypatch.setattr(commit_mod, "serialize", serialize_then_kill)
     with retry_policy(**PATIENT):
         saver = Background(lambda: storage.save_batch(batch, uri, NUM_SHARDS, storage_options=server.storage_options))
         assert killed.wait(60)

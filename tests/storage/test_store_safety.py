@@ -156,7 +156,7 @@ def _run_and_die_after_shards(uri: str, shards_before_death: int, num_shards: in
     script = textwrap.dedent(
         f"""
         import os, torch
-        import storage.store as st
+        import storage.commit as st  # save_batch's module: it calls write_local by this name
         from storage.shard_io import write_local as real
         done = []
         def dying_write(*args, **kwargs):
