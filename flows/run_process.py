@@ -131,8 +131,6 @@ def reap_local_ray(status: Mapping[str, Any], grace_s: float = 2.0) -> list[str]
     from this machine; return ``name(pid)`` of the processes killed (``SIGTERM``, then ``SIGKILL``
     after ``grace_s``). Nothing happens for a Ray the run only connected to (none recorded), on
     another host, or while the recorded flow process lives."""
-    import psutil
-
     ray_info = status.get("local_ray") or {}
     session_dir = ray_info.get("session_dir")
     if not session_dir or ray_info.get("host") != this_host():
@@ -140,14 +138,7 @@ def reap_local_ray(status: Mapping[str, Any], grace_s: float = 2.0) -> list[str]
     if flow_process_alive(status.get("flow_process")) is not False:
         return []
     procs = session_processes(str(session_dir))
-    killed = []
-    for p in procs:
-        try:
-            killed.append(f"{p.name()}({p.pid})")
-        except psutil.Error:
-            pass
-    _terminate(procs, grace_s)
-    return killed
+    return _terminate(procs, grace_s, lambda p: f"{p.name()}({p.pid})")
 
 
 #: What the command line of Prefect's ephemeral API server (a child of the flow process) contains.
@@ -168,9 +159,16 @@ def ephemeral_prefect_servers() -> list[dict[str, Any]]:
     return out
 
 
-def _terminate(procs: list[Any], grace_s: float) -> None:
+def _terminate(procs: list[Any], grace_s: float, label: Any) -> list[str]:
+    """SIGTERM ``procs``, SIGKILL what is left after ``grace_s``; ``label(p)`` of each one signalled."""
     import psutil
 
+    names = []
+    for p in procs:
+        try:
+            names.append(label(p))
+        except psutil.Error:
+            pass
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
@@ -183,6 +181,7 @@ def _terminate(procs: list[Any], grace_s: float) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+    return names
 
 
 def reap_prefect_server(status: Mapping[str, Any], grace_s: float = 5.0) -> list[str]:
@@ -204,11 +203,4 @@ def reap_prefect_server(status: Mapping[str, Any], grace_s: float = 5.0) -> list
                 found.append(p)
         except (psutil.Error, TypeError, ValueError):
             continue
-    names = []
-    for p in found:
-        try:
-            names.append(f"prefect-server({p.pid})")
-        except psutil.Error:
-            pass
-    _terminate(found, grace_s)
-    return names
+    return _terminate(found, grace_s, lambda p: f"prefect-server({p.pid})")

@@ -45,6 +45,9 @@ from nrl_tasks.stages.checkpoint_files import (
     file_manifest,
     read_checkpoint_json,
     remote_file_manifest,
+    _fs,
+    _is_s3,
+    _local,
 )
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
@@ -68,19 +71,6 @@ __all__ = [
 #: what :func:`discard_checkpoint` leaves in a damaged checkpoint's directory instead of the commit
 DAMAGED_FILE = "damaged.json"
 
-
-def _fs():
-    from storage import fs
-
-    return fs
-
-
-def _is_s3(uri: str) -> bool:
-    return uri.startswith("s3://") or uri.startswith("s3a://")
-
-
-def _local(uri: str) -> str:
-    return uri[len("file://") :] if uri.startswith("file://") else uri
 
 
 def is_checkpoint_committed(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
