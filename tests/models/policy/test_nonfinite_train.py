@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import uuid
 
 import pytest
@@ -195,6 +196,9 @@ def test_ray_policy_dp2_both_ranks_fail_alike_and_stay_usable(ray_session, tiny_
         assert err.what == "loss" and err.weights_valid
         assert not is_actor_fault(err) and not policy_weights_invalid(err)
         assert policy.weights_checksum() == checksum and policy.weights_version == 0
+        deadline = time.monotonic() + 60  # the call returns at the first rank's error; the other may still unwind
+        while any(s["busy"] is not None for s in policy.worker_status()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert all(s["weights_valid"] and s["busy"] is None for s in policy.worker_status())
         batch["advantages"][ROWS - 1, 2] = 0.0
         out = policy.train(batch, LOSS, gbs=GBS, mbs=MBS // 2)
