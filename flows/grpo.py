@@ -162,6 +162,20 @@ def run_grpo_steps(
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
         run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
     step_wall: list[float] = []
+    if cfg.grpo.async_grpo.enabled:
+        from flows.async_steps import run_async_steps
+
+        if last > 0:
+            raise ValueError(
+                f"run {run.run_id!r}: resuming an async GRPO run is not implemented yet (issue 11 in progress)"
+            )
+        try:
+            step_wall = run_async_steps(
+                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), first_step=1, fence=fence
+            )
+        finally:
+            publisher.close()
+        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": 1, "step_wall_s": step_wall}
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):
             if fence is not None:
