@@ -61,8 +61,12 @@ def run_async_steps(
     *,
     first_step: int,
     fence: Callable[[], None] | None = None,
+    publish: Callable[..., Any] = publish_step,
+    after_step: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Run steps ``first_step..max`` on the async schedule; the wall seconds of each trained step."""
+    """Run steps ``first_step..max`` on the async schedule; the wall seconds of each trained step.
+    ``publish(ctx, refs, plan, wall_seconds=, extra=)``: the step's metrics line and artifacts
+    (the flow's, as in sync mode); ``after_step(step)``: retention."""
     log = get_run_logger()
     sched = StepSchedule.from_config(run.cfg)
     log.info("async GRPO schedule (age %d):\n%s", sched.lookahead, sched.timeline())
@@ -96,8 +100,9 @@ def run_async_steps(
                 datasets={"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs, "train": trained},
                 refit=None, checkpoint=ck, val=None, flow_run_id=None,
             )
-            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0,
-                         extra={"trajectory_age": sched.trajectory_age(e.step)})
+            publish(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, extra={"trajectory_age": sched.trajectory_age(e.step)})
+            if after_step is not None:
+                after_step(e.step)
             walls.append(time.perf_counter() - t0)
         if refits:
             for _, _, s in list(lanes.values()):  # every generation on an older version is done first
