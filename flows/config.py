@@ -25,6 +25,8 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.config_async import AsyncGRPOConfig
+
 from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
     INT64, MAX_DATASET_ROWS, MAX_PROMPTS, MAX_RETRIES, MAX_ROWS, MAX_SECONDS, MAX_SEQUENCE_TOKENS, MAX_STEPS,
     MAX_WORKERS, check_delays, value_errors,
@@ -101,6 +103,7 @@ class GRPOConfig(_Section):
         description="backoff before each stage retry (s, each <= 1 day, at most 50); the last value repeats",
     )
     refit: RefitConfig = Field(default_factory=RefitConfig)
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -328,6 +331,11 @@ class MasterConfig(_Section):
 
 def _combination_errors(cfg: MasterConfig) -> list[str]:
     errs: list[str] = []
+    if cfg.grpo.async_grpo.enabled and not cfg.loss_fn.use_importance_sampling_correction:
+        errs.append(
+            "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
+            "older weights than the ones trained)"
+        )
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:
         errs.append("generation: missing (set `generation` or `policy.generation`)")
@@ -466,8 +474,12 @@ _HASH_EXCLUDE: dict[str, Any] = {
 
 
 def config_hash(cfg: MasterConfig) -> str:
-    """sha256 (16 hex chars) of the canonical JSON of the result-affecting part of ``cfg``."""
+    """sha256 (16 hex chars) of the canonical JSON of the result-affecting part of ``cfg``.
+
+    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed."""
     data = cfg.model_dump(mode="json", exclude=_HASH_EXCLUDE)
+    if not cfg.grpo.async_grpo.enabled:
+        data["grpo"].pop("async_grpo", None)
     data["generation"] = cfg.gen.model_dump(mode="json")
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

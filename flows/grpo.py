@@ -162,6 +162,24 @@ def run_grpo_steps(
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
         run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
     step_wall: list[float] = []
+    loop_t0 = time.perf_counter()
+    if cfg.grpo.async_grpo.enabled:
+        from flows.async_steps import run_async_steps
+
+        if last > 0:
+            raise ValueError(
+                f"run {run.run_id!r}: resuming an async GRPO run is not implemented yet (issue 11 in progress)"
+            )
+        try:
+            step_wall = run_async_steps(
+                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), first_step=1, fence=fence,
+                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, **k),
+                after_step=lambda s: apply_retention(layout, retention, s, opts, pruned=pruned),
+            )
+        finally:
+            publisher.close()
+        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": 1, "step_wall_s": step_wall,
+                "loop_s": time.perf_counter() - loop_t0}
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):
             if fence is not None:
@@ -182,7 +200,8 @@ def run_grpo_steps(
                 step_wall.append(time.perf_counter() - t0)
     finally:
         publisher.close()
-    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall}
+    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall,
+            "loop_s": time.perf_counter() - loop_t0}
 
 
 def _inline(fn: Any) -> Any:

@@ -124,9 +124,10 @@ def publish_step(
     wall_seconds: float | None,
     publisher: BackgroundPublisher | None = None,
     progress: ProgressHandle | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off), console line and
-    artifacts (published in the background by ``publisher``)."""
+    """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
+    added to it), console line and artifacts (published in the background by ``publisher``)."""
     import storage
 
     run, cfg = ctx.run, ctx.cfg
@@ -140,6 +141,7 @@ def publish_step(
             checkpoint=refs.checkpoint.summary() if refs.checkpoint else None,
             wall_seconds=wall_seconds, rewards=(rw["rewards"], rw["reward_valid"]),
         )
+        row.update(extra or {})
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
         if cfg.logger.artifacts and publisher is not None:
             publisher.submit(publish_metrics_table, run.run_id, rows)

@@ -1,0 +1,88 @@
+"""Sync vs async GRPO (age 1) through the flow, side by side in one run.
+
+    python -m benchmarks.bench_async [--steps N] [--smollm] [key=value ...]
+
+The same config and seed run twice through ``flows.grpo.grpo`` on the same machine: synchronous,
+and with ``grpo.async_grpo.enabled=true`` (``max_trajectory_age_steps=1``, importance-sampling
+correction on, required). Prints per run: total wall, steps per second, processed tokens per
+second (prompt + response tokens of every rollout, from the rollouts datasets; wall = the flow's
+step loop, without Ray start and actor set-up), the summed
+generation seconds (``generate`` + ``score``) and how much of it the async run hid behind the
+policy's work (``(sync wall - async wall) / generation seconds``). Checkpoints and validation off.
+``--smollm``: also on SmolLM2-135M (8 prompts x 4 samples; minutes per run on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+from benchmarks._common import quiet_env
+
+ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+
+
+def _tokens(root: str, run_id: str, steps: int) -> int:
+    import storage
+
+    total = 0
+    for s in range(1, steps + 1):
+        b = storage.load_batch(os.path.join(root, run_id, "steps", f"step_{s:06d}", "rollouts"), columns=["input_lengths"])
+        total += int(b["input_lengths"].sum())
+    return total
+
+
+def run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
+    from flows.config import load_config
+    from flows.grpo import grpo
+    from flows.metrics import read_metrics
+
+    root = os.path.join(tmp, tag)
+    cfg = load_config(config, [*overrides, f"grpo.max_num_steps={steps}", "checkpointing.enabled=false",
+                               "grpo.val_period=0", f"storage.root={root}", "logger.console=false"])
+    run_id = f"bench-{tag}"
+    res = grpo(config=cfg, run_id=run_id)
+    wall = float(res["loop_s"])  # the steps themselves: Ray start, actor set-up and shutdown excluded
+    rows = read_metrics(res["metrics_uri"])
+    gen_s = sum(float(r.get("generate_s") or 0) + float(r.get("score_s") or 0) for r in rows)
+    return {"wall": wall, "steps": steps, "tokens": _tokens(root, run_id, steps), "gen_s": gen_s,
+            "step_wall": res.get("step_wall_s") or [], "reward": [r.get("reward_mean") for r in rows]}
+
+
+def compare(label: str, config: str, overrides: list[str], steps: int, tmp: str) -> dict[str, Any]:
+    sync = run(config, overrides, steps, f"{label}-sync", tmp)
+    asyn = run(config, [*overrides, *ASYNC], steps, f"{label}-async", tmp)
+    print(f"### {label}: {steps} steps")
+    print("| run | wall s | steps/s | tokens/s | generation s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in (("sync", sync), ("async (age 1)", asyn)):
+        print(f"| {name} | {r['wall']:.1f} | {r['steps'] / r['wall']:.3f} | {r['tokens'] / r['wall']:.0f} | {r['gen_s']:.1f} |")
+    hidden = (sync["wall"] - asyn["wall"]) / sync["gen_s"] if sync["gen_s"] else float("nan")
+    print(f"async / sync steps per second: **{sync['wall'] / asyn['wall']:.2f}x**; generation hidden behind "
+          f"the policy's work: {hidden:.0%} of {sync['gen_s']:.1f} s")
+    print(f"reward_mean per step, sync: {sync['reward']}\nreward_mean per step, async: {asyn['reward']}")
+    return {"sync": sync, "async": asyn}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--smollm", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        quiet_env(prefect_home=os.path.join(tmp, "prefect"))
+        out = {"tiny": compare("tiny", "configs/grpo_tiny.yaml", ["logger.step_subflows=false", *args.overrides], args.steps, tmp)}
+        if args.smollm:
+            out["smollm2"] = compare(
+                "smollm2", "configs/grpo_smollm2.yaml",
+                ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+                 *args.overrides], max(3, args.steps // 2), tmp,
+            )
+    return out
+
+
+if __name__ == "__main__":
+    main()
