@@ -166,20 +166,20 @@ def run_grpo_steps(
     if cfg.grpo.async_grpo.enabled:
         from flows.async_steps import run_async_steps
 
-        if last > 0:
-            raise ValueError(
-                f"run {run.run_id!r}: resuming an async GRPO run is not implemented yet (issue 11 in progress)"
-            )
+        age = cfg.grpo.async_grpo.max_trajectory_age_steps
         try:
             step_wall = run_async_steps(
-                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), first_step=1, fence=fence,
+                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), trained=last,
+                budget=budget, fence=fence,
                 publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, **k),
-                after_step=lambda s: apply_retention(layout, retention, s, opts, pruned=pruned),
+                # a resume may need the checkpoint at or before version step - age (the steps
+                # generated ahead on older weights): retention keeps what that resume reads
+                after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
             )
         finally:
             publisher.close()
-        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": 1, "step_wall_s": step_wall,
-                "loop_s": time.perf_counter() - loop_t0}
+        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
+                "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):
             if fence is not None:

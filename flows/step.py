@@ -58,11 +58,13 @@ class StepPlan:
     attempt: int = 1
 
 
-def data_stages(ctx: StepContext, weights_version: int) -> dict[str, DatasetRef]:
-    """The step's datasets before ``train`` (stages that find their output committed skip)."""
+def data_stages(ctx: StepContext, weights_version: int, *, generation_version: int | None = None) -> dict[str, DatasetRef]:
+    """The step's datasets before ``train`` (stages that find their output committed skip);
+    ``logprob`` on the policy at ``weights_version``, ``generate`` on ``generation_version``
+    (default: the same; async GRPO generates on an older one)."""
     c = quote(ctx)
     prompt_ref = prompts(c)
-    rollouts = generate(c, prompt_ref, weights_version)
+    rollouts = generate(c, prompt_ref, weights_version if generation_version is None else generation_version)
     rewards = score(c, rollouts)
     logprobs = logprob(c, rollouts, weights_version)
     advs = advantages(c, rollouts, rewards)

@@ -229,6 +229,7 @@ class ClippedPGLossFn:
                 "probs_ratio_clamped": tok_mean(ratios_clamped),
                 "token_mult_prob_error": tok_mean(torch.exp((gen - prev).abs() * mask)),
                 "sampling_importance_ratio": tok_mean(is_weights),
+                "sampling_importance_ratio_max": float(is_weights[mask > 0].max()) if bool((mask > 0).any()) else 0.0,
                 "approx_entropy": -tok_mean(torch.exp(curr - gen) * curr),
                 "num_valid_samples": sample_mask.sum().item(),
             }

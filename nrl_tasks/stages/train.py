@@ -71,24 +71,29 @@ def _scalar(v: Any) -> float | None:
 
 
 def train_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """Scalar metrics of a ``Policy.train`` result (``all_mb_metrics`` averaged per key)."""
+    """Scalar metrics of a ``Policy.train`` result. The loss function's per-micro-batch figures
+    (``all_mb_metrics``, of every rank) are normalised by the global batch's token or sequence
+    count, so they are summed over a global batch and averaged over global batches (NeMo-RL's
+    reduction); ``*_max`` figures take the maximum."""
     out: dict[str, float] = {}
     for k, v in result.items():
         s = _scalar(v)
         if s is not None:
             out[k] = s
+    n_gb = max(1, int(out.get("num_global_batches", 1)))
     mb = result.get("all_mb_metrics")
+    per_key: dict[str, list[float]] = {}
     if isinstance(mb, dict):
         for k, vals in mb.items():
-            vals = [x for x in (map(_scalar, vals if isinstance(vals, list) else [vals])) if x is not None]
-            if vals and k not in out:
-                out[k] = sum(vals) / len(vals)
+            per_key[k] = [x for x in map(_scalar, vals if isinstance(vals, list) else [vals]) if x is not None]
     elif isinstance(mb, list):
-        keys = {k for d in mb if isinstance(d, dict) for k in d}
-        for k in keys:
-            vals = [s for d in mb if isinstance(d, dict) and (s := _scalar(d.get(k))) is not None]
-            if vals and k not in out:
-                out[k] = sum(vals) / len(vals)
+        for d in mb:
+            for k, v in (d.items() if isinstance(d, dict) else ()):
+                if (x := _scalar(v)) is not None:
+                    per_key.setdefault(k, []).append(x)
+    for k, vals in per_key.items():
+        if vals and k not in out:
+            out[k] = max(vals) if k.endswith("_max") else sum(vals) / n_gb
     return out
 
 
@@ -161,6 +166,9 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
         return BatchedDataDict(row), finite_or_none({
             "train_seconds": timer.seconds["train"], "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
             "weights_checksum": checksum, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+            # importance-sampling weights pi_prev / pi_gen of the step's tokens (async GRPO: one version apart)
+            "is_weight_mean": metrics.get("sampling_importance_ratio"),
+            "is_weight_max": metrics.get("sampling_importance_ratio_max"),
         }, f"train of step {ctx.step}")
 
     inputs = {"rollouts": rollouts, "logprobs": logprobs, "advantages": advantages}
