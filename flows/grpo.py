@@ -18,6 +18,10 @@ other (:mod:`flows.step`). A stage that fails on an actor fault fails its step; 
 ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` per stage (``grpo.refit.retries`` /
 ``grpo.refit.retry_delay_s`` for the refit).
 
+With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
+(:mod:`flows.async_steps`: the generation of later steps overlaps the policy's work, on weights
+versions fixed by the step; same recovery, retries, metrics and retention).
+
 Per step: one line in ``metrics.jsonl``, a Prefect table artifact of all lines, a progress
 artifact, a markdown artifact with the best and worst rollouts, a console line.
 """
