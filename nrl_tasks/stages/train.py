@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -54,10 +54,13 @@ def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict, adv: 
             "input_lengths": rollouts["input_lengths"],
             "token_mask": token_mask,
             "sample_mask": adv["sample_mask"].to(torch.float32),
-            "advantages": adv["advantages"].to(torch.float32).unsqueeze(1) * token_mask,
+            # one advantage per sample [B] (GRPO), or per token [B, S] (REINFORCE++ with the KL in the reward)
+            "advantages": (a if (a := adv["advantages"].to(torch.float32)).ndim == 2 else a.unsqueeze(1)) * token_mask,
             "prev_logprobs": logprobs["prev_logprobs"].to(torch.float32),
             "generation_logprobs": rollouts["generation_logprobs"].to(torch.float32),
             "reference_policy_logprobs": logprobs["reference_policy_logprobs"].to(torch.float32),
+            # the sample's reward (VAPO's positive-example NLL); advantages datasets carry it since issue 12
+            **({"rewards": adv["rewards"].to(torch.float32)} if "rewards" in adv else {}),
         }
     )
 
@@ -70,11 +73,12 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
-def train_metrics(result: dict[str, Any]) -> dict[str, float]:
+def train_metrics(result: dict[str, Any], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
     """Scalar metrics of a ``Policy.train`` result. The loss function's per-micro-batch figures
     (``all_mb_metrics``, of every rank) are normalised by the global batch's token or sequence
     count, so they are summed over a global batch and averaged over global batches (NeMo-RL's
-    reduction); ``*_max`` figures take the maximum."""
+    reduction); ``reductions`` (the loss function's ``metric_reductions``) names the figures
+    combined otherwise (``min``, ``max``, ``mean``); ``*_min`` / ``*_max`` take the extremum."""
     out: dict[str, float] = {}
     for k, v in result.items():
         s = _scalar(v)
@@ -91,9 +95,12 @@ def train_metrics(result: dict[str, Any]) -> dict[str, float]:
             for k, v in (d.items() if isinstance(d, dict) else ()):
                 if (x := _scalar(v)) is not None:
                     per_key.setdefault(k, []).append(x)
+    how = dict(reductions or {})
     for k, vals in per_key.items():
-        if vals and k not in out:
-            out[k] = max(vals) if k.endswith("_max") else sum(vals) / n_gb
+        if not vals or k in out:
+            continue
+        r = how.get(k) or ("max" if k.endswith("_max") else "min" if k.endswith("_min") else "sum")
+        out[k] = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v)}.get(r, lambda v: sum(v) / n_gb)(vals)
     return out
 
 
@@ -101,8 +108,9 @@ def run_train(policy: Any, data: BatchedDataDict, loss_cfg: Any, *, gbs: int, mb
     """One ``Policy.train`` call with ``ClippedPGLossFn(loss_cfg)``; scalar metrics."""
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 
-    result = policy.train(data, ClippedPGLossFn(loss_cfg), gbs=gbs, mbs=mbs)
-    return train_metrics(result)
+    loss_fn = ClippedPGLossFn(loss_cfg)
+    result = policy.train(data, loss_fn, gbs=gbs, mbs=mbs)
+    return train_metrics(result, loss_fn.metric_reductions)
 
 
 def _check_version(policy: Any, step: int) -> None:
