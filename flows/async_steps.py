@@ -33,7 +33,7 @@ from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
 from flows.step import StepPlan, StepRefs, publish_step
-from nrl_tasks.stages.advantages import advantages
+from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.evaluate import validate
@@ -166,7 +166,7 @@ def _run_schedule(
             prompt_ref, rollouts, rewards = lane.take(e.step, sched.generation_version(e.step))
             plan = plan_for(e.step)
             logprobs = logprob(c, rollouts, e.step - 1)
-            advs = advantages(c, rollouts, rewards)
+            advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(run.cfg) else None)
             trained[e.step] = train(c, rollouts, logprobs, advs)
             ck = checkpoint(c, trained[e.step], plan.config_hash) if plan.checkpoint else None
             datasets = {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs,

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.config_advantages import AdvEstimatorConfig
 from flows.config_async import AsyncGRPOConfig
 
 from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
@@ -104,6 +105,7 @@ class GRPOConfig(_Section):
     )
     refit: RefitConfig = Field(default_factory=RefitConfig)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -135,6 +137,21 @@ class DataConfig(_Section):
     overlong_prompts: Literal["truncate", "reject"] = "reject"
     shuffle: bool = True
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_implies_file(cls, data: Any) -> Any:
+        """``data.train_path`` without ``data.dataset`` means the file dataset; with
+        ``dataset: arithmetic`` it is a contradiction (the path would be ignored)."""
+        if isinstance(data, dict) and data.get("train_path") is not None:
+            if "dataset" not in data:
+                data = {**data, "dataset": "file"}
+            elif data["dataset"] == "arithmetic":
+                raise ValueError(
+                    "data.train_path is set but data.dataset is 'arithmetic' (the built-in prompts): the file would be "
+                    "ignored; set data.dataset: file, or drop data.train_path"
+                )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -331,6 +348,11 @@ class MasterConfig(_Section):
 
 def _combination_errors(cfg: MasterConfig) -> list[str]:
     errs: list[str] = []
+    if cfg.loss_fn.use_kl_in_reward and cfg.grpo.adv_estimator.name != "reinforce_plus_plus":
+        errs.append(
+            "loss_fn.use_kl_in_reward needs grpo.adv_estimator.name=reinforce_plus_plus (the estimator that puts the "
+            f"KL into the reward; got {cfg.grpo.adv_estimator.name!r})"
+        )
     if cfg.grpo.async_grpo.enabled and not cfg.loss_fn.use_importance_sampling_correction:
         errs.append(
             "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
@@ -473,13 +495,28 @@ _HASH_EXCLUDE: dict[str, Any] = {
 }
 
 
+#: keys added after runs existed (issue 12): counted in the hash only when not at their default
+_ADDED_KEYS: tuple[tuple[str, str], ...] = (
+    ("grpo", "adv_estimator"),
+    *(("loss_fn", k) for k in (
+        "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
+        "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
+    )),
+)
+
+
 def config_hash(cfg: MasterConfig) -> str:
     """sha256 (16 hex chars) of the canonical JSON of the result-affecting part of ``cfg``.
 
-    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed."""
+    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed;
+    likewise the keys of :data:`_ADDED_KEYS` count only when they differ from their default."""
     data = cfg.model_dump(mode="json", exclude=_HASH_EXCLUDE)
     if not cfg.grpo.async_grpo.enabled:
         data["grpo"].pop("async_grpo", None)
+    for section, key in _ADDED_KEYS:  # a key added later, at its default, hashes as before it existed
+        model = getattr(cfg, section)
+        if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
+            data[section].pop(key)
     data["generation"] = cfg.gen.model_dump(mode="json")
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

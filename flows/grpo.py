@@ -43,6 +43,7 @@ from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import MasterConfig, load_config
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
+from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
 from flows.step import StepPlan, tag_flow_run
@@ -243,6 +244,7 @@ def grpo(
         raise ValueError("recompute needs resume=True")
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
+    check_reward_fn(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
     fid = str(flow_run.id) if flow_run.id else None
     lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
     try:

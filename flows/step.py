@@ -31,7 +31,7 @@ from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
-from nrl_tasks.stages.advantages import advantages
+from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.evaluate import validate
@@ -67,7 +67,7 @@ def data_stages(ctx: StepContext, weights_version: int, *, generation_version: i
     rollouts = generate(c, prompt_ref, weights_version if generation_version is None else generation_version)
     rewards = score(c, rollouts)
     logprobs = logprob(c, rollouts, weights_version)
-    advs = advantages(c, rollouts, rewards)
+    advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
     return {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs}
 
 
