@@ -38,7 +38,7 @@ from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.generate import generate, prompts
-from nrl_tasks.stages.logprob import logprob
+from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.schedule import Event, StepSchedule
 from nrl_tasks.stages.score import score
@@ -165,7 +165,7 @@ def _run_schedule(
             c = quote(ctx)
             prompt_ref, rollouts, rewards = lane.take(e.step, sched.generation_version(e.step))
             plan = plan_for(e.step)
-            logprobs = logprob(c, rollouts, e.step - 1)
+            logprobs = logprob(c, rollouts, e.step - 1) if logprob_needed(run.cfg) else None
             advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(run.cfg) else None)
             trained[e.step] = train(c, rollouts, logprobs, advs)
             ck = checkpoint(c, trained[e.step], plan.config_hash) if plan.checkpoint else None

@@ -348,6 +348,13 @@ class MasterConfig(_Section):
 
 def _combination_errors(cfg: MasterConfig) -> list[str]:
     errs: list[str] = []
+    batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if cfg.loss_fn.force_on_policy_ratio and cfg.policy.train_global_batch_size != batch:
+        errs.append(
+            "loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch: policy.train_global_batch_size "
+            f"({cfg.policy.train_global_batch_size}) must equal grpo.num_prompts_per_step * "
+            f"grpo.num_generations_per_prompt ({batch})"
+        )
     if cfg.loss_fn.use_kl_in_reward and cfg.grpo.adv_estimator.name != "reinforce_plus_plus":
         errs.append(
             "loss_fn.use_kl_in_reward needs grpo.adv_estimator.name=reinforce_plus_plus (the estimator that puts the "

@@ -187,7 +187,10 @@ def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy
     log = log or _logger()
     damaged: dict[int, str] = {}
     # async GRPO: the steps generated ahead on older weights are facts too
-    ahead = {"lookahead": StepSchedule.from_config(run.cfg).lookahead, "max_steps": run.cfg.grpo.max_num_steps}
+    from nrl_tasks.stages.logprob import logprob_needed
+
+    ahead = {"lookahead": StepSchedule.from_config(run.cfg).lookahead, "max_steps": run.cfg.grpo.max_num_steps,
+             "skipped": () if logprob_needed(run.cfg) else ("logprobs",)}
     while True:
         facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged, **ahead)
         health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)

@@ -263,6 +263,7 @@ def read_run_facts(
     damaged: Mapping[int, str] | None = None,
     lookahead: int = 0,
     max_steps: int | None = None,
+    skipped: tuple[str, ...] = (),
 ) -> RunFacts:
     """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix).
 
@@ -272,6 +273,7 @@ def read_run_facts(
     ``damaged``: checkpoints already found damaged (step -> problem), kept as facts.
     ``lookahead``: the async schedule's trajectory age (steps after the trained prefix, up to
     ``max_steps``, whose rollouts are missing are then looked for: :attr:`RunFacts.ungenerated`).
+    ``skipped``: datasets the run's steps do not make (``logprobs`` when nothing reads them), never missing.
     """
     import storage
 
@@ -301,7 +303,8 @@ def read_run_facts(
         anchor = facts.anchor
         if anchor + 1 < looked:
             for s in range(anchor + 1, looked):
-                gone = tuple(d for d in STEP_INPUTS if not storage.is_committed(layout.stage_uri(s, d), **kw))
+                gone = tuple(d for d in STEP_INPUTS
+                             if d not in skipped and not storage.is_committed(layout.stage_uri(s, d), **kw))
                 if gone:
                     missing[s] = gone
             looked = anchor + 1

@@ -20,6 +20,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.graph import REPLAY_INPUTS
+from nrl_tasks.stages.logprob import logprob_needed
 from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
@@ -44,10 +45,15 @@ def finite_or_none(figures: dict[str, Any], where: str) -> dict[str, Any]:
 TRAIN_INPUT_STAGES = REPLAY_INPUTS
 
 
-def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict, adv: BatchedDataDict) -> BatchedDataDict:
+def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict | None, adv: BatchedDataDict) -> BatchedDataDict:
     """The ``ClippedPGLossFn`` input: ``input_ids, input_lengths, token_mask, sample_mask,
-    advantages [B,S], prev_logprobs, generation_logprobs, reference_policy_logprobs``."""
+    advantages [B,S], prev_logprobs, generation_logprobs, reference_policy_logprobs`` (the two
+    policy logprob columns only with ``logprobs``: a skipped ``logprob`` stage has none)."""
     token_mask = rollouts["token_mask"].to(torch.float32)
+    lp = {} if logprobs is None else {
+        "prev_logprobs": logprobs["prev_logprobs"].to(torch.float32),
+        "reference_policy_logprobs": logprobs["reference_policy_logprobs"].to(torch.float32),
+    }
     return BatchedDataDict(
         {
             "input_ids": rollouts["input_ids"],
@@ -56,9 +62,8 @@ def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict, adv: 
             "sample_mask": adv["sample_mask"].to(torch.float32),
             # one advantage per sample [B] (GRPO), or per token [B, S] (REINFORCE++ with the KL in the reward)
             "advantages": (a if (a := adv["advantages"].to(torch.float32)).ndim == 2 else a.unsqueeze(1)) * token_mask,
-            "prev_logprobs": logprobs["prev_logprobs"].to(torch.float32),
+            **lp,
             "generation_logprobs": rollouts["generation_logprobs"].to(torch.float32),
-            "reference_policy_logprobs": logprobs["reference_policy_logprobs"].to(torch.float32),
             # the sample's reward (VAPO's positive-example NLL); advantages datasets carry it since issue 12
             **({"rewards": adv["rewards"].to(torch.float32)} if "rewards" in adv else {}),
         }
@@ -130,7 +135,8 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
 
     layout, kw, cfg = run.layout, run.storage_kw, run.cfg
     meta = storage.read_manifest(layout.stage_uri(step, "train"), **kw).meta
-    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) for s in REPLAY_INPUTS]
+    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) if s != "logprobs" or logprob_needed(cfg) else None
+             for s in REPLAY_INPUTS]
     run_train(run.policy, build_train_data(*parts), cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
     _check_version(run.policy, step)
     expected = meta.get("weights_checksum")
@@ -145,7 +151,7 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
 
 
 @task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
-def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantages: DatasetRef) -> DatasetRef:
+def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, advantages: DatasetRef) -> DatasetRef:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
     Expects the policy at weights version ``step - 1`` (``StalePolicyError`` otherwise) and leaves
@@ -158,7 +164,7 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         policy = ctx.policy
         check_policy_version(policy, ctx.step - 1, f"train of step {ctx.step}")
-        data = build_train_data(*(inputs[s] for s in REPLAY_INPUTS))
+        data = build_train_data(*(inputs.get(s) for s in REPLAY_INPUTS))
         ctx.actor_call("train", "policy", policy.worker_group.workers)
         with timer.phase("train"):
             metrics = run_train(
@@ -179,5 +185,5 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
             "is_weight_max": metrics.get("sampling_importance_ratio_max"),
         }, f"train of step {ctx.step}")
 
-    inputs = {"rollouts": rollouts, "logprobs": logprobs, "advantages": advantages}
+    inputs = {"rollouts": rollouts, "advantages": advantages, **({"logprobs": logprobs} if logprobs is not None else {})}
     return run_stage(ctx, "train", compute, inputs=inputs, weights_version=ctx.step)
