@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.config_advantages import AdvEstimatorConfig
+from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
 from flows.config_async import AsyncGRPOConfig
 
 from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
@@ -106,6 +107,7 @@ class GRPOConfig(_Section):
     refit: RefitConfig = Field(default_factory=RefitConfig)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -355,6 +357,14 @@ def _combination_errors(cfg: MasterConfig) -> list[str]:
             f"({cfg.policy.train_global_batch_size}) must equal grpo.num_prompts_per_step * "
             f"grpo.num_generations_per_prompt ({batch})"
         )
+    shaping = cfg.grpo.reward_shaping
+    shaping_gen = cfg.generation or getattr(cfg.policy, "generation", None)
+    if shaping.enabled and shaping.max_response_length is None and shaping_gen is not None:
+        if shaping.overlong_buffer_length > shaping_gen.max_new_tokens:
+            errs.append(
+                f"grpo.reward_shaping.overlong_buffer_length ({shaping.overlong_buffer_length}) exceeds "
+                f"generation.max_new_tokens ({shaping_gen.max_new_tokens}), the default max_response_length"
+            )
     if cfg.loss_fn.use_kl_in_reward and cfg.grpo.adv_estimator.name != "reinforce_plus_plus":
         errs.append(
             "loss_fn.use_kl_in_reward needs grpo.adv_estimator.name=reinforce_plus_plus (the estimator that puts the "
@@ -505,6 +515,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
 #: keys added after runs existed (issue 12): counted in the hash only when not at their default
 _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "adv_estimator"),
+    ("grpo", "reward_shaping"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
