@@ -83,7 +83,11 @@ class ClippedPGLossConfig(BaseModel):
     - off-policy correction: ``use_importance_sampling_correction`` and truncation
       ``truncated_importance_sampling_type`` / ``_ratio`` / ``_ratio_min``;
     - REINFORCE++: ``use_kl_in_reward`` (the KL penalty moves from the loss to the reward);
-    - VAPO: ``positive_example_nll_weight`` (NLL on samples with reward > 0).
+    - VAPO: ``positive_example_nll_weight`` (NLL on samples with reward > 0);
+    - Dr. GRPO (https://arxiv.org/abs/2503.20783): ``constant_length_normalization = L`` divides
+      the token sums by ``L`` per sequence (``global_valid_seqs * L``) instead of by the number of
+      valid tokens, so long and short responses weigh alike per token; with
+      ``grpo.adv_estimator.name: dr_grpo`` (no std division) it is Dr. GRPO.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -107,6 +111,7 @@ class ClippedPGLossConfig(BaseModel):
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
     positive_example_nll_weight: float = Field(0.0, ge=0.0)
+    constant_length_normalization: int | None = Field(None, ge=1, description="Dr. GRPO: the constant L")
 
     @model_validator(mode="after")
     def _check(self) -> ClippedPGLossConfig:
@@ -127,6 +132,8 @@ class ClippedPGLossConfig(BaseModel):
                 refuse("use_cispo", "ratio_clip_c", why="CISPO has no dual clip")
             if not self.token_level_loss:
                 refuse("use_cispo", "token_level_loss=false", why="CISPO is a token-level loss")
+        if self.constant_length_normalization is not None and not self.token_level_loss:
+            refuse("constant_length_normalization", "token_level_loss=false", why="Dr. GRPO's normaliser is token level")
         kind, hi, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
                         self.truncated_importance_sampling_ratio_min)
         if (kind is not None or hi is not None or lo is not None) and not self.use_importance_sampling_correction:
@@ -283,9 +290,16 @@ class ClippedPGLossFn:
         adv, gen = d["advantages"], d["generation_logprobs"]
         prev = d["prev_logprobs"] if cfg.needs_prev_logprobs else torch.where(mask > 0, curr.detach(), torch.zeros_like(curr))
 
+        length = cfg.constant_length_normalization
+        if length is not None:  # Dr. GRPO: L tokens per sequence, whatever their length
+            seqs = global_valid_seqs if global_valid_seqs is not None else sample_mask.sum()
+            norm_toks = seqs * length
+        else:
+            norm_toks = global_valid_toks
+
         def reduce(per_token: Tensor) -> Tensor:
             if self.loss_type == LossType.TOKEN_LEVEL:
-                return masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
+                return masked_mean(per_token, mask, global_normalization_factor=norm_toks)
             per_seq = masked_mean(per_token, token_mask, dim=-1)
             return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
 

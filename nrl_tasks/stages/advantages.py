@@ -5,6 +5,7 @@ A group is the ``num_generations_per_prompt`` rows sharing a ``group_id``.
 - ``grpo``: leave-one-out baseline and std normalisation per ``grpo.use_leave_one_out_baseline``
   and ``grpo.normalize_rewards``; ``advantages [B]`` float32, one per sample (the train stage
   broadcasts it over the response tokens);
+- ``dr_grpo``: the group mean subtracted, no leave-one-out, no std division; ``[B]``;
 - ``reinforce_plus_plus`` (:mod:`nrl_tasks.algorithms.advantage_estimators`): ``advantages [B, S]``
   float32 per token; with ``loss_fn.use_kl_in_reward`` the stage also reads the step's
   ``logprobs`` (the KL of ``prev_logprobs`` to ``reference_policy_logprobs`` goes into the reward).
@@ -61,12 +62,13 @@ def compute_advantages(
             minus_baseline=est.minus_baseline, kl_penalty=kl,
         )
     else:
+        dr = est is not None and est.name == "dr_grpo"  # group mean, no std division
         adv = compute_grpo_advantages(
             group_id,
             rewards.to(torch.float32),
             valid.to(torch.float32),
-            leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline,
-            normalize_rewards=grpo_cfg.normalize_rewards,
+            leave_one_out_baseline=False if dr else grpo_cfg.use_leave_one_out_baseline,
+            normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
         ).to(torch.float32)
     out = {"advantages": adv, "sample_mask": valid.to(torch.float32)}
     if loss_cfg is not None and loss_cfg.positive_example_nll_weight > 0:

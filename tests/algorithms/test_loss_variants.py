@@ -198,3 +198,26 @@ def test_invalid_combinations_name_the_keys(cfg, keys):
         ClippedPGLossConfig(**cfg)
     for k in keys:
         assert k in str(ei.value), (k, str(ei.value))
+
+
+def test_dr_grpo_constant_length_normalisation():
+    """Two sequences of 1 and 3 tokens, A = 1, r = 1: sum of -A r over 4 tokens = -4, divided by
+    seqs * L = 2 * 8 (not by the 4 tokens); each token's gradient -1/16 whatever its sequence's length."""
+    curr, data = _batch([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], adv=[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    data["token_mask"][0, 2:] = 0.0  # sequence 0 has one response token
+    loss, grad, _ = _run({"constant_length_normalization": 8}, curr, data, seqs=2.0)
+    assert loss == pytest.approx(-4 / 16)
+    assert grad[0] == pytest.approx([-1 / 16, 0.0, 0.0]) and grad[1] == pytest.approx([-1 / 16] * 3)
+
+
+def test_dr_grpo_advantages_have_no_std_division():
+    import torch as t
+
+    from flows.config import load_config
+    from nrl_tasks.stages.advantages import compute_advantages
+    from tests.fixtures.grpo_runs import TINY_CONFIG
+
+    cfg = load_config(TINY_CONFIG, ["grpo.adv_estimator.name=dr_grpo"])
+    out = compute_advantages(t.tensor([0, 0, 0, 0]), t.tensor([1.0, 0.0, 0.0, 0.0]), t.ones(4, dtype=t.bool), cfg.grpo,
+                             loss_cfg=cfg.loss_fn)
+    assert out["advantages"].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
