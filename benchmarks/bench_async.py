@@ -10,7 +10,8 @@ step loop, without Ray start and actor set-up), the summed
 generation seconds (``generate`` + ``score``) and how much of it the async run hid behind the
 policy's work (``(sync wall - async wall) / generation seconds``). Checkpoints and validation off.
 Then, unless ``--no-smollm``, the same on SmolLM2-135M (8 prompts x 4 samples, 3 steps; minutes
-per run on 2 cores; skipped with a note when its offline package is not installed).
+per run on 2 cores; skipped with a note when its offline package is not installed), with the
+config's 2 torch threads per actor and again with 1 (one core per lane).
 
 **Learning** (unless ``--no-learning``): one SFT warm start of the tiny model
 (``configs/grpo_tiny_demo.yaml``, as ``make demo``), then sync and async GRPO from it for the demo's
@@ -115,10 +116,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = {"tiny": compare("tiny", "configs/grpo_tiny.yaml", ["logger.step_subflows=false", *args.overrides], args.steps, tmp)}
         if not (args.quick or args.no_smollm):
             if _smollm2_available():
-                out["smollm2"] = compare(
-                    "smollm2", "configs/grpo_smollm2.yaml",
-                    ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
-                     *args.overrides], max(3, args.steps // 2), tmp,
+                smol = ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+                        *args.overrides]
+                out["smollm2"] = compare("smollm2", "configs/grpo_smollm2.yaml", smol, max(3, args.steps // 2), tmp)
+                # one core per lane: the policy and the generation workers do not share cores
+                out["smollm2-1t"] = compare(
+                    "smollm2-1-thread-per-actor", "configs/grpo_smollm2.yaml",
+                    [*smol, "policy.torch_num_threads=1", "generation.torch_num_threads=1"], max(3, args.steps // 2), tmp,
                 )
             else:
                 print("### smollm2: skipped (the offline SmolLM2-135M package is not installed: `make smollm2`)")

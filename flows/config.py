@@ -26,17 +26,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.config_advantages import AdvEstimatorConfig
-from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
 from flows.config_async import AsyncGRPOConfig
-
 from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
     INT64, MAX_DATASET_ROWS, MAX_PROMPTS, MAX_RETRIES, MAX_ROWS, MAX_SECONDS, MAX_SEQUENCE_TOKENS, MAX_STEPS,
     MAX_WORKERS, check_delays, value_errors,
 )
+from flows.config_combinations import combination_errors
 from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
 from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
@@ -303,7 +303,7 @@ class MasterConfig(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
-        errors = _combination_errors(self)
+        errors = combination_errors(self)
         if errors:
             raise ValueError("; ".join(errors))
         return self
@@ -346,77 +346,6 @@ class MasterConfig(_Section):
         if self.data.max_input_seq_length is not None:
             return self.data.max_input_seq_length
         return self.policy.max_total_sequence_length - self.gen.max_new_tokens
-
-
-def _combination_errors(cfg: MasterConfig) -> list[str]:
-    errs: list[str] = []
-    batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    if cfg.loss_fn.force_on_policy_ratio and cfg.policy.train_global_batch_size != batch:
-        errs.append(
-            "loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch: policy.train_global_batch_size "
-            f"({cfg.policy.train_global_batch_size}) must equal grpo.num_prompts_per_step * "
-            f"grpo.num_generations_per_prompt ({batch})"
-        )
-    shaping = cfg.grpo.reward_shaping
-    shaping_gen = cfg.generation or getattr(cfg.policy, "generation", None)
-    if shaping.enabled and shaping.max_response_length is None and shaping_gen is not None:
-        if shaping.overlong_buffer_length > shaping_gen.max_new_tokens:
-            errs.append(
-                f"grpo.reward_shaping.overlong_buffer_length ({shaping.overlong_buffer_length}) exceeds "
-                f"generation.max_new_tokens ({shaping_gen.max_new_tokens}), the default max_response_length"
-            )
-    if cfg.loss_fn.use_kl_in_reward and cfg.grpo.adv_estimator.name != "reinforce_plus_plus":
-        errs.append(
-            "loss_fn.use_kl_in_reward needs grpo.adv_estimator.name=reinforce_plus_plus (the estimator that puts the "
-            f"KL into the reward; got {cfg.grpo.adv_estimator.name!r})"
-        )
-    if cfg.grpo.async_grpo.enabled and not cfg.loss_fn.use_importance_sampling_correction:
-        errs.append(
-            "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
-            "older weights than the ones trained)"
-        )
-    pol_gen = getattr(cfg.policy, "generation", None)
-    if cfg.generation is None and pol_gen is None:
-        errs.append("generation: missing (set `generation` or `policy.generation`)")
-        return errs
-    if cfg.generation is not None and pol_gen is not None and cfg.generation != pol_gen:
-        errs.append("generation and policy.generation are both set and differ: set only one")
-    gen = cfg.generation or pol_gen
-    b = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
-    dp = cfg.cluster.policy_workers
-    if b > MAX_ROWS:
-        errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
-        )
-    if b % gbs:
-        errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} is not a multiple of "
-            f"policy.train_global_batch_size = {gbs}"
-        )
-    if gbs % (mbs * dp):
-        errs.append(
-            f"policy.train_global_batch_size = {gbs} is not a multiple of policy.train_micro_batch_size * "
-            f"cluster.policy_workers = {mbs} * {dp}"
-        )
-    if gen.max_new_tokens >= cfg.policy.max_total_sequence_length:
-        errs.append(
-            f"generation.max_new_tokens = {gen.max_new_tokens} leaves no room for the prompt in "
-            f"policy.max_total_sequence_length = {cfg.policy.max_total_sequence_length}"
-        )
-    elif cfg.data.max_input_seq_length is not None and (
-        cfg.data.max_input_seq_length + gen.max_new_tokens > cfg.policy.max_total_sequence_length
-    ):
-        errs.append(
-            f"data.max_input_seq_length + generation.max_new_tokens = "
-            f"{cfg.data.max_input_seq_length + gen.max_new_tokens} exceeds policy.max_total_sequence_length = "
-            f"{cfg.policy.max_total_sequence_length}"
-        )
-    if cfg.grpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
-        errs.append("grpo.val_period > 0 with data.dataset 'file' needs data.val_path")
-    if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
-        errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")
-    return errs
 
 
 # ----------------------------------------------------------------------------------------------
