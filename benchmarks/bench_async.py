@@ -1,6 +1,6 @@
 """Sync vs async GRPO (age 1) through the flow, side by side in one run.
 
-    python -m benchmarks.bench_async [--steps N] [--smollm] [key=value ...]
+    python -m benchmarks.bench_async [--quick] [--steps N] [--no-smollm] [--no-learning] [key=value ...]
 
 The same config and seed run twice through ``flows.grpo.grpo`` on the same machine: synchronous,
 and with ``grpo.async_grpo.enabled=true`` (``max_trajectory_age_steps=1``, importance-sampling
@@ -9,7 +9,14 @@ second (prompt + response tokens of every rollout, from the rollouts datasets; w
 step loop, without Ray start and actor set-up), the summed
 generation seconds (``generate`` + ``score``) and how much of it the async run hid behind the
 policy's work (``(sync wall - async wall) / generation seconds``). Checkpoints and validation off.
-``--smollm``: also on SmolLM2-135M (8 prompts x 4 samples; minutes per run on 2 cores).
+Then, unless ``--no-smollm``, the same on SmolLM2-135M (8 prompts x 4 samples, 3 steps; minutes
+per run on 2 cores; skipped with a note when its offline package is not installed), with the
+config's 2 torch threads per actor and again with 1 (one core per lane).
+
+**Learning** (unless ``--no-learning``): one SFT warm start of the tiny model
+(``configs/grpo_tiny_demo.yaml``, as ``make demo``), then sync and async GRPO from it for the demo's
+steps; the mean reward of the first 3 and the last 3 steps side by side.
+``--quick`` (``make bench-quick``): the tiny comparison only.
 """
 
 from __future__ import annotations
@@ -66,21 +73,61 @@ def compare(label: str, config: str, overrides: list[str], steps: int, tmp: str)
     return {"sync": sync, "async": asyn}
 
 
+def learning(steps: int, sft_steps: int, tmp: str) -> dict[str, Any]:
+    """SFT warm start once, then sync and async GRPO from it: first 3 vs last 3 steps' reward."""
+    from flows.demo import DEMO_CONFIG
+    from flows.sft import sft
+
+    warm = sft(config=DEMO_CONFIG, run_id="bench-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
+    base = ["logger.step_subflows=false", f"policy.model_name={warm['weights']}"]
+    sync = run(DEMO_CONFIG, base, steps, "learn-sync", tmp)
+    asyn = run(DEMO_CONFIG, [*base, *ASYNC], steps, "learn-async", tmp)
+    print(f"### learning: tiny model, SFT warm start ({sft_steps} steps), then {steps} GRPO steps")
+    print("| run | reward, first 3 steps | reward, last 3 steps | wall s |")
+    print("|---|---:|---:|---:|")
+    for name, r in (("sync", sync), ("async (age 1)", asyn)):
+        rw = [x or 0.0 for x in r["reward"]]
+        print(f"| {name} | {sum(rw[:3]) / 3:.3f} | {sum(rw[-3:]) / 3:.3f} | {r['wall']:.1f} |")
+    return {"sync": sync, "async": asyn}
+
+
+def _smollm2_available() -> bool:
+    from flows.models import resolve_model_path
+
+    try:
+        resolve_model_path("builtin:smollm2")  # converted once from the offline package
+        return True
+    except Exception:  # noqa: BLE001 - the package is optional: reported, not fatal
+        return False
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny comparison only (make bench-quick)")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--smollm", action="store_true")
+    ap.add_argument("--no-smollm", action="store_true")
+    ap.add_argument("--no-learning", action="store_true")
+    ap.add_argument("--learning-steps", type=int, default=80)
+    ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         quiet_env(prefect_home=os.path.join(tmp, "prefect"))
         out = {"tiny": compare("tiny", "configs/grpo_tiny.yaml", ["logger.step_subflows=false", *args.overrides], args.steps, tmp)}
-        if args.smollm:
-            out["smollm2"] = compare(
-                "smollm2", "configs/grpo_smollm2.yaml",
-                ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
-                 *args.overrides], max(3, args.steps // 2), tmp,
-            )
+        if not (args.quick or args.no_smollm):
+            if _smollm2_available():
+                smol = ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+                        *args.overrides]
+                out["smollm2"] = compare("smollm2", "configs/grpo_smollm2.yaml", smol, max(3, args.steps // 2), tmp)
+                # one core per lane: the policy and the generation workers do not share cores
+                out["smollm2-1t"] = compare(
+                    "smollm2-1-thread-per-actor", "configs/grpo_smollm2.yaml",
+                    [*smol, "policy.torch_num_threads=1", "generation.torch_num_threads=1"], max(3, args.steps // 2), tmp,
+                )
+            else:
+                print("### smollm2: skipped (the offline SmolLM2-135M package is not installed: `make smollm2`)")
+        if not (args.quick or args.no_learning):
+            out["learning"] = learning(args.learning_steps, args.sft_steps, tmp)
     return out
 
 

@@ -155,7 +155,9 @@ def _worker(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
                 def load(batch: list[tuple[str, torch.Tensor]]) -> None:
                     for n, t in batch:
                         params[n].copy_(t)
-                packed_broadcast_consumer(iter(meta), group, 0, load, buffer_size_bytes=size, num_buffers=count)
+                # load() copies every tensor out at once: reuse the buffers
+                packed_broadcast_consumer(iter(meta), group, 0, load, buffer_size_bytes=size, num_buffers=count,
+                                          reuse_buffers=True)
         return run
 
     def flat_one() -> None:
@@ -326,7 +328,9 @@ def run_cuda(args: dict[str, Any]) -> list[dict[str, Any]]:
             def load(batch: list[tuple[str, torch.Tensor]]) -> None:
                 for n, t in batch:
                     dest[n].copy_(t)
-            packed_broadcast_consumer(iter(meta), loop, 0, load, buffer_size_bytes=target, num_buffers=count)
+            # load() copies every tensor out at once: reuse the buffers
+            packed_broadcast_consumer(iter(meta), loop, 0, load, buffer_size_bytes=target, num_buffers=count,
+                                      reuse_buffers=True)
         return send, recv
 
     flat_src = torch.empty(total, dtype=torch.uint8, device="cuda")

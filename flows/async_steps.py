@@ -4,7 +4,7 @@ concurrent Prefect tasks while the policy lane (``logprob`` -> ``advantages`` ->
 ``checkpoint`` when due) runs in the flow's thread, and the refit of version ``k`` between
 ``train(k)`` and ``train(k+1)`` when both lanes are free::
 
-    rollouts_2 = generate.submit(ctx2, prompts_2, v0)       # generation workers
+    rollouts_2 = generate.submit(ctx2, prompts_2, 0)         # generation workers, version 0
     trained_1  = train(ctx1, rollouts_1, logprobs_1, adv_1)  # policy workers, at the same time
     refit(ctx1, trained_1, 1)                                # both free: v1 to the generation workers
 
@@ -12,10 +12,16 @@ Every generation runs on its scheduled version exactly (``generate`` refuses ano
 rollouts of a step do not depend on timing. The Prefect run graph shows the overlap: the task
 runs of two steps run at the same time, with their data edges.
 
-State of this prototype (branch ``async``, issue 11): fresh runs and resumes of runs whose
-trained prefix has every scheduled rollout committed; a resume that would need an older weights
-version than the restored one to regenerate missing rollouts is refused with a clear error. Actor
-faults fail the run (no in-run recovery yet); validation is not scheduled in async mode.
+**Faults and resumes.** When a stage of either lane fails on an actor fault, the loop lets every
+submitted generation finish, recovers (:func:`flows.recovery.recover_after`: the resume plan knows
+the schedule, so a step whose rollouts are missing is generated on its own version: the policy is
+restored to a checkpoint at or before it and replayed through it) and runs the schedule again from
+the run's trained prefix; committed stages skip. A resumed run starts the same way. The retries
+are the sync loop's (``grpo.stage_retries``, ``grpo.refit.retries`` per step and stage).
+
+**Validation** (``grpo.val_period``): after ``train(k)`` the generation workers are refitted to
+``k`` (the scheduled refit, or an extra one once the generations on older versions are done, for
+the last steps of the run, whose versions no generation needs) and ``validate`` runs on them.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
 from flows.step import StepPlan, StepRefs, publish_step
-from nrl_tasks.stages.advantages import advantages
+from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.generate import generate, prompts
-from nrl_tasks.stages.logprob import logprob
+from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.schedule import Event, StepSchedule
 from nrl_tasks.stages.score import score
@@ -40,73 +47,157 @@ from nrl_tasks.stages.train import train
 __all__ = ["run_async_steps"]
 
 
-def _generation_lane(run: RunContext, events: list[Event], after: Any) -> dict[int, tuple[Any, Any, Any]]:
-    """Submit the phase's generations in step order on the generation workers (each waits for the
-    one before: one set of workers); ``{step: (prompts, rollouts future, rewards future)}``."""
-    out: dict[int, tuple[Any, Any]] = {}
-    prev = after
-    for e in events:
-        c = quote(run.step(e.step))
-        p = prompts(c)  # cheap, in the flow thread: the prompts of a step are fixed by its seed
-        r = generate.submit(c, p, e.version, wait_for=[prev] if prev is not None else None)
-        s = score.submit(c, r)
-        out[e.step] = (p, r, s)
-        prev = s
-    return out
+class _GenerationLane:
+    """The generations submitted to the generation workers, in step order (each waits for the one
+    before: one set of workers). ``{step: (prompts, rollouts future, rewards future)}``."""
+
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        self.pending: dict[int, tuple[Any, Any, Any]] = {}
+        self.futures: list[Any] = []
+
+    def submit(self, events: list[Event]) -> None:
+        prev = self.futures[-1] if self.futures else None
+        for e in events:
+            c = quote(self.run.step(e.step))
+            p = prompts(c)  # cheap, in the flow thread: the prompts of a step are fixed by its seed
+            r = generate.submit(c, p, e.version, wait_for=[prev] if prev is not None else None)
+            s = score.submit(c, r)
+            self.pending[e.step] = (p, r, s)
+            self.futures += [r, s]
+            prev = s
+
+    def take(self, step: int, version: int) -> tuple[Any, Any, Any]:
+        """The step's prompts, rollouts and rewards (computed here when not submitted: a step
+        trained before the resume, whose datasets are committed and skip)."""
+        if step in self.pending:
+            p, r, s = self.pending.pop(step)
+            return p, r.result(), s.result()
+        c = quote(self.run.step(step))
+        p = prompts(c)
+        r = generate(c, p, version)
+        return p, r, score(c, r)
+
+    def settle(self) -> None:
+        """Wait until every submitted generation has finished (failed or not)."""
+        for f in self.futures:
+            f.wait()
+
+    def first_error(self) -> BaseException | None:
+        """The exception of the first failed submitted task (the later ones did not run)."""
+        for f in self.futures:
+            if f.state.is_failed():
+                err = f.state.result(raise_on_failure=False)
+                if isinstance(err, BaseException):
+                    return err
+        return None
 
 
 def run_async_steps(
     run: RunContext,
     plan_for: Callable[[int], StepPlan],
     *,
-    first_step: int,
+    trained: int,
+    budget: Any,
     fence: Callable[[], None] | None = None,
     publish: Callable[..., Any] = publish_step,
     after_step: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Run steps ``first_step..max`` on the async schedule; the wall seconds of each trained step.
-    ``publish(ctx, refs, plan, wall_seconds=, extra=)``: the step's metrics line and artifacts
-    (the flow's, as in sync mode); ``after_step(step)``: retention."""
+    """Run the steps after the trained prefix ``trained`` on the async schedule (step ``trained``
+    once more: its committed stages skip, what it had not finished is done), through actor
+    faults (see the module docstring); the wall seconds of each step. ``budget``: the run's
+    :class:`flows.recovery.RetryBudget`; ``publish(ctx, refs, plan, wall_seconds=, extra=)``: the
+    step's metrics line and artifacts (the flow's, as in sync mode); ``after_step(step)``: retention."""
+    from flows.recovery import recover_after
+
     log = get_run_logger()
     sched = StepSchedule.from_config(run.cfg)
     log.info("async GRPO schedule (age %d):\n%s", sched.lookahead, sched.timeline())
-    lanes: dict[int, tuple[Any, Any, Any]] = {}
-    last_gen = None
     walls: list[float] = []
+    finished: set[int] = set()
+    start, held = max(1, trained), trained  # the generation workers hold the trained prefix
+    while True:
+        lane = _GenerationLane(run)
+        try:
+            _run_schedule(run, sched, lane, plan_for, start, held, finished, walls, fence, publish, after_step)
+            return walls
+        except BaseException as exc:
+            lane.settle()  # recovery refits the generation workers: nothing may be generating
+            err = lane.first_error() if _unfinished(exc) else None
+            step = run.last_failure[0] if run.last_failure else start
+            last = recover_after(run, err or exc, budget, step=step, max_step=sched.max_steps, log=log)
+            start, held = max(1, last), last
+
+
+def _unfinished(exc: BaseException) -> bool:
+    """A future whose upstream failed (``wait_for``) raises ``UnfinishedRun``: the cause is upstream."""
+    from prefect.exceptions import UnfinishedRun
+
+    return isinstance(exc, UnfinishedRun)
+
+
+def _run_schedule(
+    run: RunContext,
+    sched: StepSchedule,
+    lane: _GenerationLane,
+    plan_for: Callable[[int], StepPlan],
+    start: int,
+    held: int,
+    finished: set[int],
+    walls: list[float],
+    fence: Callable[[], None] | None,
+    publish: Callable[..., Any],
+    after_step: Callable[[int], None] | None,
+) -> None:
+    """The schedule's phases from train ``start`` on, the generation workers holding ``held``
+    (the trained prefix: steps before ``start`` are trained, their generations done)."""
+    trained: dict[int, Any] = {}
     for phase in sched.phases():
-        gens = [e for e in phase if e.kind == "generate"]
-        trains = [e for e in phase if e.kind == "train"]
-        refits = [e for e in phase if e.kind == "refit"]
+        gens = [e for e in phase if e.kind == "generate" and e.step >= start]
         if gens:
-            lanes.update(_generation_lane(run, gens, last_gen))
-            last_gen = lanes[gens[-1].step][2]
-        for e in trains:
-            if e.step < first_step:
-                continue
+            lane.submit(gens)
+        val_due = []
+        for e in (e for e in phase if e.kind == "train" and e.step >= start and e.step not in finished):
             if fence is not None:
                 fence()
             t0 = time.perf_counter()
             ctx = run.step(e.step)
             c = quote(ctx)
-            prompt_ref, r_future, s_future = lanes.pop(e.step)
-            rollouts, rewards = r_future.result(), s_future.result()
+            prompt_ref, rollouts, rewards = lane.take(e.step, sched.generation_version(e.step))
             plan = plan_for(e.step)
-            logprobs = logprob(c, rollouts, e.step - 1)
-            advs = advantages(c, rollouts, rewards)
-            trained = train(c, rollouts, logprobs, advs)
-            ck = checkpoint(c, trained, plan.config_hash) if plan.checkpoint else None
-            refs = StepRefs(
-                step=e.step,
-                datasets={"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs, "train": trained},
-                refit=None, checkpoint=ck, val=None, flow_run_id=None,
-            )
-            publish(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, extra={"trajectory_age": sched.trajectory_age(e.step)})
-            if after_step is not None:
-                after_step(e.step)
-            walls.append(time.perf_counter() - t0)
+            logprobs = logprob(c, rollouts, e.step - 1) if logprob_needed(run.cfg) else None
+            advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(run.cfg) else None)
+            trained[e.step] = train(c, rollouts, logprobs, advs)
+            ck = checkpoint(c, trained[e.step], plan.config_hash) if plan.checkpoint else None
+            datasets = {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs,
+                        "advantages": advs, "train": trained[e.step]}
+            if plan.validate:
+                val_due.append((e.step, ctx, datasets, ck, plan, t0))
+                continue
+            _finish(ctx, StepRefs(e.step, datasets, checkpoint=ck), plan, t0, sched, publish, after_step, finished, walls)
+        refits = [e for e in phase if e.kind == "refit" and e.version > held]
+        if val_due and not refits:  # the last steps: no generation needs their version
+            refits = [Event("refit", s, s) for s, *_ in val_due]
         if refits:
-            for _, _, s in list(lanes.values()):  # every generation on an older version is done first
-                s.result()
+            lane.settle()  # every generation on an older version is done first
+            err = lane.first_error()
+            if err is not None:  # a generation failed: recover before refitting its workers
+                raise err
             for e in refits:
-                refit(quote(run.step(e.step)), None, e.version)
-    return walls
+                result = refit(quote(run.step(e.step)), trained.get(e.step), e.version)
+                held = e.version
+                for s, ctx, datasets, ck, plan, t0 in (v for v in val_due if v[0] == e.version):
+                    val = validate(quote(ctx), result, s)
+                    refs = StepRefs(s, datasets, refit=result, checkpoint=ck, val=val)
+                    _finish(ctx, refs, plan, t0, sched, publish, after_step, finished, walls)
+
+
+def _finish(ctx: Any, refs: StepRefs, plan: StepPlan, t0: float, sched: StepSchedule, publish: Callable[..., Any],
+            after_step: Callable[[int], None] | None, finished: set[int], walls: list[float]) -> None:
+    """The step's metrics line, artifacts and retention, once."""
+    wall = time.perf_counter() - t0
+    publish(ctx, refs, plan, wall_seconds=wall, extra={"trajectory_age": sched.trajectory_age(refs.step)})
+    if after_step is not None:
+        after_step(refs.step)
+    finished.add(refs.step)
+    walls.append(wall)

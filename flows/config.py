@@ -25,16 +25,18 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flows.config_advantages import AdvEstimatorConfig
 from flows.config_async import AsyncGRPOConfig
-
 from flows.config_bounds import (  # the maxima, named (``le=`` below) and checked by ``value_errors``
     INT64, MAX_DATASET_ROWS, MAX_PROMPTS, MAX_RETRIES, MAX_ROWS, MAX_SECONDS, MAX_SEQUENCE_TOKENS, MAX_STEPS,
     MAX_WORKERS, check_delays, value_errors,
 )
+from flows.config_combinations import combination_errors
 from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
 from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
@@ -104,6 +106,8 @@ class GRPOConfig(_Section):
     )
     refit: RefitConfig = Field(default_factory=RefitConfig)
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -135,6 +139,21 @@ class DataConfig(_Section):
     overlong_prompts: Literal["truncate", "reject"] = "reject"
     shuffle: bool = True
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_implies_file(cls, data: Any) -> Any:
+        """``data.train_path`` without ``data.dataset`` means the file dataset; with
+        ``dataset: arithmetic`` it is a contradiction (the path would be ignored)."""
+        if isinstance(data, dict) and data.get("train_path") is not None:
+            if "dataset" not in data:
+                data = {**data, "dataset": "file"}
+            elif data["dataset"] == "arithmetic":
+                raise ValueError(
+                    "data.train_path is set but data.dataset is 'arithmetic' (the built-in prompts): the file would be "
+                    "ignored; set data.dataset: file, or drop data.train_path"
+                )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -284,7 +303,7 @@ class MasterConfig(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
-        errors = _combination_errors(self)
+        errors = combination_errors(self)
         if errors:
             raise ValueError("; ".join(errors))
         return self
@@ -327,57 +346,6 @@ class MasterConfig(_Section):
         if self.data.max_input_seq_length is not None:
             return self.data.max_input_seq_length
         return self.policy.max_total_sequence_length - self.gen.max_new_tokens
-
-
-def _combination_errors(cfg: MasterConfig) -> list[str]:
-    errs: list[str] = []
-    if cfg.grpo.async_grpo.enabled and not cfg.loss_fn.use_importance_sampling_correction:
-        errs.append(
-            "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
-            "older weights than the ones trained)"
-        )
-    pol_gen = getattr(cfg.policy, "generation", None)
-    if cfg.generation is None and pol_gen is None:
-        errs.append("generation: missing (set `generation` or `policy.generation`)")
-        return errs
-    if cfg.generation is not None and pol_gen is not None and cfg.generation != pol_gen:
-        errs.append("generation and policy.generation are both set and differ: set only one")
-    gen = cfg.generation or pol_gen
-    b = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
-    dp = cfg.cluster.policy_workers
-    if b > MAX_ROWS:
-        errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
-        )
-    if b % gbs:
-        errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} is not a multiple of "
-            f"policy.train_global_batch_size = {gbs}"
-        )
-    if gbs % (mbs * dp):
-        errs.append(
-            f"policy.train_global_batch_size = {gbs} is not a multiple of policy.train_micro_batch_size * "
-            f"cluster.policy_workers = {mbs} * {dp}"
-        )
-    if gen.max_new_tokens >= cfg.policy.max_total_sequence_length:
-        errs.append(
-            f"generation.max_new_tokens = {gen.max_new_tokens} leaves no room for the prompt in "
-            f"policy.max_total_sequence_length = {cfg.policy.max_total_sequence_length}"
-        )
-    elif cfg.data.max_input_seq_length is not None and (
-        cfg.data.max_input_seq_length + gen.max_new_tokens > cfg.policy.max_total_sequence_length
-    ):
-        errs.append(
-            f"data.max_input_seq_length + generation.max_new_tokens = "
-            f"{cfg.data.max_input_seq_length + gen.max_new_tokens} exceeds policy.max_total_sequence_length = "
-            f"{cfg.policy.max_total_sequence_length}"
-        )
-    if cfg.grpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
-        errs.append("grpo.val_period > 0 with data.dataset 'file' needs data.val_path")
-    if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
-        errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")
-    return errs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,13 +441,30 @@ _HASH_EXCLUDE: dict[str, Any] = {
 }
 
 
+#: keys added after runs existed (issue 12): counted in the hash only when not at their default
+_ADDED_KEYS: tuple[tuple[str, str], ...] = (
+    ("grpo", "adv_estimator"),
+    ("grpo", "reward_shaping"),
+    *(("loss_fn", k) for k in (
+        "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
+        "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
+        "constant_length_normalization",
+    )),
+)
+
+
 def config_hash(cfg: MasterConfig) -> str:
     """sha256 (16 hex chars) of the canonical JSON of the result-affecting part of ``cfg``.
 
-    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed."""
+    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed;
+    likewise the keys of :data:`_ADDED_KEYS` count only when they differ from their default."""
     data = cfg.model_dump(mode="json", exclude=_HASH_EXCLUDE)
     if not cfg.grpo.async_grpo.enabled:
         data["grpo"].pop("async_grpo", None)
+    for section, key in _ADDED_KEYS:  # a key added later, at its default, hashes as before it existed
+        model = getattr(cfg, section)
+        if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
+            data[section].pop(key)
     data["generation"] = cfg.gen.model_dump(mode="json")
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -18,6 +18,10 @@ other (:mod:`flows.step`). A stage that fails on an actor fault fails its step; 
 ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` per stage (``grpo.refit.retries`` /
 ``grpo.refit.retry_delay_s`` for the refit).
 
+With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
+(:mod:`flows.async_steps`: the generation of later steps overlaps the policy's work, on weights
+versions fixed by the step; same recovery, retries, metrics and retention).
+
 Per step: one line in ``metrics.jsonl``, a Prefect table artifact of all lines, a progress
 artifact, a markdown artifact with the best and worst rollouts, a console line.
 """
@@ -39,6 +43,7 @@ from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import MasterConfig, load_config
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
+from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
 from flows.step import StepPlan, tag_flow_run
@@ -166,20 +171,20 @@ def run_grpo_steps(
     if cfg.grpo.async_grpo.enabled:
         from flows.async_steps import run_async_steps
 
-        if last > 0:
-            raise ValueError(
-                f"run {run.run_id!r}: resuming an async GRPO run is not implemented yet (issue 11 in progress)"
-            )
+        age = cfg.grpo.async_grpo.max_trajectory_age_steps
         try:
             step_wall = run_async_steps(
-                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), first_step=1, fence=fence,
+                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), trained=last,
+                budget=budget, fence=fence,
                 publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, **k),
-                after_step=lambda s: apply_retention(layout, retention, s, opts, pruned=pruned),
+                # a resume may need the checkpoint at or before version step - age (the steps
+                # generated ahead on older weights): retention keeps what that resume reads
+                after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
             )
         finally:
             publisher.close()
-        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": 1, "step_wall_s": step_wall,
-                "loop_s": time.perf_counter() - loop_t0}
+        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
+                "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
         for step in range(last if last > 0 else 1, max_steps + 1):
             if fence is not None:
@@ -239,6 +244,7 @@ def grpo(
         raise ValueError("recompute needs resume=True")
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
+    check_reward_fn(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
     fid = str(flow_run.id) if flow_run.id else None
     lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
     try:

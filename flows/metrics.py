@@ -140,6 +140,8 @@ def build_step_metrics(
     row["invalid_rewards"] = get("rewards", "invalid_rewards")
     row["loss"] = get("train", "loss")
     row["grad_norm"] = get("train", "grad_norm")
+    row["is_weight_mean"] = get("train", "is_weight_mean")
+    row["is_weight_max"] = get("train", "is_weight_max")
     row["groups_with_signal"] = get("advantages", "groups_with_signal")
     row["new_tokens"] = get("rollouts", "new_tokens")
     row["truncated_frac"] = get("rollouts", "truncated_frac")

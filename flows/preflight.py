@@ -19,25 +19,32 @@ from __future__ import annotations
 
 from flows.config import MasterConfig
 
-__all__ = ["preflight"]
+__all__ = ["check_reward_fn", "preflight"]
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
     return bool(cfg.data.val_path) or cfg.grpo.val_period > 0 or cfg.grpo.val_at_start
 
 
-def preflight(cfg: MasterConfig) -> None:
-    """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
-    from flows.plugins import load_observers
-    from flows.ray_session import check_local_ray_size
+def check_reward_fn(cfg: MasterConfig) -> None:
+    """``ValueError`` naming ``env.reward_fn`` when it does not import or is not callable (the
+    flow calls this too, before Ray starts: a deployment run skips the CLI's preflight)."""
     from nrl_tasks.environments.rewards import load_reward_fn
-    from nrl_tasks.stages.data import load_prompt_records
 
     if cfg.env.reward_fn is not None:
         try:
             load_reward_fn(cfg.env.reward_fn)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"env.reward_fn: {exc}") from None
+
+
+def preflight(cfg: MasterConfig) -> None:
+    """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
+    from flows.plugins import load_observers
+    from flows.ray_session import check_local_ray_size
+    from nrl_tasks.stages.data import load_prompt_records
+
+    check_reward_fn(cfg)
     load_observers()
     opts = cfg.storage.storage_options or None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])

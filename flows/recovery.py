@@ -49,7 +49,7 @@ from nrl_tasks.stages.health import probe_actors
 from nrl_tasks.stages.refs import StepRefs
 from nrl_tasks.stages.resume_plan import ResumePlan, plan_resume, read_run_facts
 
-__all__ = ["RetryBudget", "execute_plan", "recover", "run_step"]
+__all__ = ["RetryBudget", "execute_plan", "recover", "recover_after", "run_step"]
 
 #: Actions retried on actor faults besides the retried data stages.
 _RETRIED_ACTIONS = ("checkpoint", "validate")
@@ -99,13 +99,15 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
             _check_restored_weights(run, plan, restored, info, log)
             unlisted = not isinstance(info.get("files"), dict)
             log.info("restored checkpoint %s (weights version %d)", restored, int(info["step"]))
-    for s in plan.replay:
+    held = plan.restore_from if plan.restore_from is not None else plan.target
+    for s in (*plan.replay, None):  # the policy holds version ``held`` here
+        _generate_on(run, plan, held, log)
+        if s is None:
+            break
         t = time.perf_counter()
         if s in plan.recompute:
             log.warning("recomputing %s of trained step %d before replaying it", list(plan.recompute[s]), s)
-            ctx = run.step(s)
-            refit(quote(ctx), None, s - 1, force=True)
-            data_stages(ctx, s - 1)
+            data_stages(run.step(s), s - 1, generation_version=plan_generation_version(plan, s))
         try:
             replay_train(run, s)
         except RuntimeError as exc:
@@ -118,9 +120,33 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
                 ) from exc
             raise
         log.info("replayed train of step %d from persisted batches (%.2fs)", s, time.perf_counter() - t)
+        held = s
     if plan.refit:
         refit(quote(run.step(plan.target)), None, plan.target, force=True)
     return {"restored_from": restored, "replayed": list(plan.replay), "recomputed": dict(plan.recompute)}
+
+
+def plan_generation_version(plan: ResumePlan, step: int) -> int:
+    """The weights version ``step``'s rollouts are generated on in ``plan`` (``step - 1`` when
+    the plan does not generate it: its rollouts are committed, sync or async)."""
+    return next((v for v, steps in plan.generate_at.items() if step in steps), step - 1)
+
+
+def _generate_on(run: RunContext, plan: ResumePlan, version: int, log: Any) -> None:
+    """Generate (and score) the steps ``plan`` generates on ``version``, the generation workers
+    refitted to it first (the policy holds it now)."""
+    from nrl_tasks.stages.generate import generate, prompts
+    from nrl_tasks.stages.refit import refit
+    from nrl_tasks.stages.score import score
+
+    steps = plan.generate_at.get(version, ())
+    if not steps:
+        return
+    refit(quote(run.step(steps[0])), None, version, force=True)
+    for s in steps:
+        log.warning("generating the rollouts of step %d on weights version %d (its scheduled version)", s, version)
+        c = quote(run.step(s))
+        score(c, generate(c, prompts(c), version))
 
 
 def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: dict[str, Any], log: Any) -> None:
@@ -156,16 +182,23 @@ def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy
     run planned again (see the module docstring)."""
     from flows.metrics import repair_metrics
 
+    from nrl_tasks.stages.schedule import StepSchedule
+
     log = log or _logger()
     damaged: dict[int, str] = {}
+    # async GRPO: the steps generated ahead on older weights are facts too
+    from nrl_tasks.stages.logprob import logprob_needed
+
+    ahead = {"lookahead": StepSchedule.from_config(run.cfg).lookahead, "max_steps": run.cfg.grpo.max_num_steps,
+             "skipped": () if logprob_needed(run.cfg) else ("logprobs",)}
     while True:
-        facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged)
+        facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged, **ahead)
         health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)
         plan = plan_resume(facts, health, force_refit=force_refit)
         verified = False
         if plan.restore_from:  # about to load a checkpoint: check its files first
             facts = read_run_facts(
-                run.layout, run.storage_options, max_step=max_step, damaged=damaged, verify_checkpoints=True
+                run.layout, run.storage_options, max_step=max_step, damaged=damaged, verify_checkpoints=True, **ahead
             )
             plan = plan_resume(facts, health, force_refit=force_refit)
             verified = True
@@ -216,6 +249,33 @@ def _delays(value: Any) -> list[float]:
     return [float(v) for v in value]
 
 
+def recover_after(run: RunContext, exc: BaseException, budget: RetryBudget, *, step: int, max_step: int, log: Any = None) -> int:
+    """After ``exc`` failed ``step``: re-raise it unless the failed stage has a retry left for it;
+    else wait the retry's delay and :func:`recover` the run (planning again, within the same
+    budget, when recovery itself meets a fault). Returns the trained prefix recovered to."""
+    log = log or _logger()
+    where = run.last_failure or (step, "step")
+    delay = budget.take(*where) if budget.retryable(where[1], exc) else None
+    if delay is None:
+        raise exc
+    log.warning(
+        "step %d: %s failed (%s: %s); recovering and running the step again in %.1fs",
+        step, where[1], type(exc).__name__, str(exc)[:300], delay,
+    )
+    time.sleep(delay)
+    while True:
+        run.last_failure = None
+        try:
+            return int(recover(run, max_step, log=log)["plan"].target)
+        except BaseException as again:
+            where = run.last_failure or (step, where[1])
+            delay = budget.take(*where) if budget.retryable(where[1], again) else None
+            if delay is None:
+                raise
+            log.warning("step %d: recovery failed (%s: %s); trying again in %.1fs", step, type(again).__name__, again, delay)
+            time.sleep(delay)
+
+
 def run_step(run: RunContext, step: int, call: Callable[[int], StepRefs], budget: RetryBudget, *, log: Any = None) -> StepRefs:
     """``call(attempt)`` (the step's subflow) until it succeeds, recovering after each actor fault."""
     log = log or _logger()
@@ -225,25 +285,5 @@ def run_step(run: RunContext, step: int, call: Callable[[int], StepRefs], budget
         try:
             return call(attempt)
         except BaseException as exc:
-            where = run.last_failure or (step, "step")
-            delay = budget.take(*where) if budget.retryable(where[1], exc) else None
-            if delay is None:
-                raise
-            log.warning(
-                "step %d: %s failed (%s: %s); recovering and running the step again in %.1fs",
-                step, where[1], type(exc).__name__, str(exc)[:300], delay,
-            )
-        time.sleep(delay)
-        while True:  # recovery itself may meet a fault: re-plan within the same budget
-            run.last_failure = None
-            try:
-                recover(run, step, log=log)
-                break
-            except BaseException as exc:
-                where = run.last_failure or (step, where[1])
-                delay = budget.take(*where) if budget.retryable(where[1], exc) else None
-                if delay is None:
-                    raise
-                log.warning("step %d: recovery failed (%s: %s); trying again in %.1fs", step, type(exc).__name__, exc, delay)
-                time.sleep(delay)
+            recover_after(run, exc, budget, step=step, max_step=step, log=log)
         attempt += 1

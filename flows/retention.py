@@ -18,6 +18,11 @@ What resume needs is never deleted, whatever the settings:
 - the ``train`` dataset of every step (its manifest marks the step trained: resume finds the
   trained prefix from them; one row of metrics) and ``val`` datasets (evaluation results).
 
+In async GRPO (age ``a``) the flow passes ``step - a`` as the trained prefix after step
+``step``: the steps generated ahead on older weights may be lost with the flow, and their resume
+restores the newest checkpoint at or before version ``step - a``
+(:mod:`nrl_tasks.stages.resume_plan`).
+
 So without any checkpoint no batch is ever deleted. A deleted step can no longer be
 recomputed (``--recompute``) or replayed; a deleted checkpoint can no longer be evaluated.
 

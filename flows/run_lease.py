@@ -53,12 +53,6 @@ def lease_uri(layout: RunLayout) -> str:
     return join_uri(layout.run_uri, "lease")
 
 
-def _lease_cls() -> Any:
-    from storage.lease import RunLease
-
-    return RunLease
-
-
 def hold_run_lease(
     layout: RunLayout,
     storage_options: dict[str, Any] | None,
@@ -68,8 +62,10 @@ def hold_run_lease(
     settings: LeaseSettings | None = None,
 ) -> Any:
     """Acquire the run's lease and start its heartbeat; ``LeaseHeldError`` while another holder is live."""
+    from storage.lease import RunLease
+
     s = settings or LeaseSettings()
-    lease = _lease_cls()(
+    lease = RunLease(
         lease_uri(layout), storage_options=storage_options, ttl_s=s.ttl_s, heartbeat_s=s.heartbeat_s,
         flow_run_id=flow_run_id,
     )

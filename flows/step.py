@@ -31,12 +31,12 @@ from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
-from nrl_tasks.stages.advantages import advantages
+from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.generate import generate, prompts
-from nrl_tasks.stages.logprob import logprob
+from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.refs import DatasetRef, StepRefs
 from nrl_tasks.stages.score import score
@@ -58,14 +58,16 @@ class StepPlan:
     attempt: int = 1
 
 
-def data_stages(ctx: StepContext, weights_version: int) -> dict[str, DatasetRef]:
-    """The step's datasets before ``train`` (stages that find their output committed skip)."""
+def data_stages(ctx: StepContext, weights_version: int, *, generation_version: int | None = None) -> dict[str, DatasetRef]:
+    """The step's datasets before ``train`` (stages that find their output committed skip);
+    ``logprob`` on the policy at ``weights_version``, ``generate`` on ``generation_version``
+    (default: the same; async GRPO generates on an older one)."""
     c = quote(ctx)
     prompt_ref = prompts(c)
-    rollouts = generate(c, prompt_ref, weights_version)
+    rollouts = generate(c, prompt_ref, weights_version if generation_version is None else generation_version)
     rewards = score(c, rollouts)
-    logprobs = logprob(c, rollouts, weights_version)
-    advs = advantages(c, rollouts, rewards)
+    logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
+    advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
     return {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs}
 
 
@@ -135,12 +137,14 @@ def publish_step(
     if plan.write_line:
         rw = storage.load_batch(ctx.uri("rewards"), columns=["rewards", "reward_valid"], **ctx.storage_kw)
         row = build_step_metrics(
-            ctx.step, {k: v.summary() for k, v in refs.datasets.items()},
+            ctx.step, {k: v.summary() for k, v in refs.datasets.items() if v is not None},
             refit=refs.refit.summary() if refs.refit else None,
             val=refs.val.summary() if refs.val else None,
             checkpoint=refs.checkpoint.summary() if refs.checkpoint else None,
             wall_seconds=wall_seconds, rewards=(rw["rewards"], rw["reward_valid"]),
         )
+        if refs.datasets.get("logprobs", True) is None:
+            row["logprob_skipped"] = True  # nothing reads them (loss_fn.force_on_policy_ratio, no KL)
         row.update(extra or {})
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
         if cfg.logger.artifacts and publisher is not None:

@@ -73,6 +73,15 @@ def commit_local(tmp: str, path: str, durable: bool = True) -> None:
         fsync_dir(os.path.dirname(path))
 
 
+def _write_temp(tmp: str, data: bytes | bytearray | memoryview, fsync: bool) -> None:
+    """Write ``data`` to the private temp file ``tmp`` (fsynced unless ``fsync`` is off)."""
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
 def write_bytes_atomic(
     uri: str | os.PathLike[str],
     data: bytes | bytearray | memoryview,
@@ -92,11 +101,7 @@ def write_bytes_atomic(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = local_temp_path(path)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
+            _write_temp(tmp, data, fsync)
             commit_local(tmp, path, durable=fsync)
         except BaseException:
             _unlink_quiet(tmp)
@@ -196,11 +201,7 @@ def _create_only_local(path: str, payload: bytes, fsync: bool) -> bool:
     os.makedirs(directory, exist_ok=True)
     tmp = local_temp_path(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+        _write_temp(tmp, payload, fsync)
         try:
             os.link(tmp, path)
         except FileExistsError:

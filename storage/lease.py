@@ -285,8 +285,9 @@ class RunLease:
                 token=uuid.uuid4().hex,
             )
             if sfs.create_only(self._path(holder.generation), holder.to_json(), self.storage_options):
-                if current is not None:
-                    log.warning("run lease %s: took over from %s", self.prefix_uri, current.describe(now))
+                if current is not None:  # a released lease is the normal hand-over; a dead holder is news
+                    log.log(logging.INFO if current.released else logging.WARNING,
+                            "run lease %s: took over from %s", self.prefix_uri, current.describe(now))
                 self._holder = holder
                 self._lost.clear()
                 self._prune(holder.generation)

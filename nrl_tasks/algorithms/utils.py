@@ -67,6 +67,7 @@ def calculate_kl(
     kl_type: KLType = "k3",
     input_clamp_value: float | None = 20.0,
     output_clamp_value: float | None = 10.0,
+    importance_sampling_weights: Tensor | None = None,
 ) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probabilities.
 
@@ -74,13 +75,25 @@ def calculate_kl(
     ``k1 = -logr``, ``k2 = logr**2 / 2``, ``k3 = exp(logr) - 1 - logr``; the result is
     clamped to +-``output_clamp_value``. Shapes are elementwise (any shape).
 
+    ``importance_sampling_weights`` (NeMo-RL's argument): per-token weights multiplied into the
+    KL *before* the output clamp (``clamp(w * kl)``). Where the input clamp applies, the weight
+    is detached, so the clamp stops both the KL's and the weight's gradient. With weights
+    ``exp(logprobs - logprobs.detach())`` (value 1) the gradient gains the score-function term
+    ``kl * grad log pi``: the KL is estimated on samples of the policy being optimised
+    (https://arxiv.org/abs/2506.09477).
+
     >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     >>> [round(v, 4) for v in calculate_kl(lp, ref, "k3").tolist()]
     [0.1065, 0.7183]
     """
     logr = logprobs_reference - logprobs
     if input_clamp_value is not None:
-        logr = logr.clamp(min=-input_clamp_value, max=input_clamp_value)
+        clamped = logr.clamp(min=-input_clamp_value, max=input_clamp_value)
+        if importance_sampling_weights is not None:
+            importance_sampling_weights = torch.where(
+                logr == clamped, importance_sampling_weights, importance_sampling_weights.detach()
+            )
+        logr = clamped
     if kl_type == "k1":
         kl = -logr
     elif kl_type == "k2":
@@ -89,6 +102,8 @@ def calculate_kl(
         kl = torch.exp(logr) - 1 - logr
     else:
         raise ValueError(f"kl_type must be one of 'k1', 'k2', 'k3', got {kl_type!r}")
+    if importance_sampling_weights is not None:
+        kl = importance_sampling_weights * kl
     if output_clamp_value is not None:
         kl = kl.clamp(min=-output_clamp_value, max=output_clamp_value)
     return kl

@@ -6,8 +6,10 @@ Errors name the column (``key``) and the offending shapes, dtypes or types.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 
@@ -27,6 +29,55 @@ def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _row_index(i: Any, size: int) -> int:
+    """One row id: an int-like (``int``, numpy or 0-d torch integer) in ``[0, size)``."""
+    if isinstance(i, (bool, np.bool_)) or (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
+        raise ValueError(f"index {i!r} is a bool; pass row ids (ints) or a bool torch.Tensor mask")
+    try:
+        row = operator.index(i)
+    except TypeError:
+        raise ValueError(f"index {i!r} is not an integer (got {type(i).__name__})") from None
+    if not 0 <= row < size:
+        raise ValueError(f"index {row!r} out of range for a batch of {size} rows")
+    return row
+
+
+def row_indices(indices: Any, size: int) -> list[int]:
+    """Row ids in ``[0, size)`` from what ``BatchedDataDict.select_indices`` accepts.
+
+    Accepted: a list, tuple, ``range`` or other sequence of ints (``np.integer`` too); a 1-D
+    integer ``numpy`` array or ``torch`` tensor of any int dtype (as NeMo-RL, which indexes with
+    them); a bool ``torch`` mask of ``size`` entries; an integer scalar (``int``, ``np.integer``,
+    0-d array or tensor), which selects one row and, unlike NeMo-RL, keeps the batch dim.
+    Everything else raises ``ValueError`` naming the dtype or type: float, complex, bool and
+    string arrays (a numpy bool mask too: pass ``np.flatnonzero(mask)``), arrays of rank >= 2,
+    sets; and ids outside ``[0, size)`` (NeMo-RL would wrap negative ones).
+    """
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.bool:
+            if indices.shape != (size,):
+                raise ValueError(f"bool mask of shape {tuple(indices.shape)} for {size} rows")
+            return indices.nonzero().flatten().tolist()
+        if indices.ndim > 1 or indices.is_floating_point() or indices.is_complex():
+            raise ValueError(f"indices must be a 1-D integer tensor, got {indices.dtype} "
+                             f"of shape {tuple(indices.shape)}")
+        candidates = indices.reshape(-1).tolist()
+    elif isinstance(indices, np.ndarray):
+        if indices.ndim > 1 or indices.dtype.kind not in "iu":
+            hint = "; for a bool mask use np.flatnonzero(mask)" if indices.dtype.kind == "b" else ""
+            raise ValueError(f"indices must be a 1-D integer numpy array, got dtype "
+                             f"{indices.dtype} of shape {indices.shape}{hint}")
+        candidates = indices.reshape(-1).tolist()
+    elif isinstance(indices, (int, np.integer)) and not isinstance(indices, (bool, np.bool_)):
+        candidates = [indices]
+    elif isinstance(indices, Sequence) and not isinstance(indices, (str, bytes)):
+        candidates = indices
+    else:
+        raise ValueError(f"indices must be ints as a list, range, numpy array or torch tensor, "
+                         f"got {type(indices).__name__}")
+    return [_row_index(i, size) for i in candidates]
 
 
 def take_rows(value: torch.Tensor | list, rows: Sequence[int]) -> torch.Tensor | list:

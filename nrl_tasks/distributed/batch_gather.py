@@ -70,7 +70,8 @@ def all_gather_columns(
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         send = torch.zeros(_round_up(size), dtype=torch.uint8, device=device)
         for k, (start, end) in spans[me].items():
-            send[start:end] = data[k].detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+            col = data[k].detach()  # copied from any layout: x[:, 0] of [1, S] has no uint8 view
+            send[start:end].view(col.dtype).view(col.shape).copy_(col)
         received = [torch.empty_like(send) for _ in range(world)]
         dist.all_gather(received, send, group=group)
     out: dict[str, Any] = {}

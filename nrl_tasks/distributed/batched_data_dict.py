@@ -36,14 +36,22 @@ from collections import UserDict
 from typing import Any, Generic, Iterator, Mapping, Optional, Sequence
 from typing import Self, TypeVar, Union
 
+import numpy as np
 import torch
 
-from nrl_tasks.distributed.batch_columns import concat_column, positive_int, rows_of, take_rows
+from nrl_tasks.distributed.batch_columns import (
+    concat_column,
+    positive_int,
+    row_indices,
+    rows_of,
+    take_rows,
+)
 from nrl_tasks.distributed.batch_gather import all_gather_columns
 from nrl_tasks.distributed.microbatch_plan import (
     DynamicBatchingCfg,
     MicroBatchKind,
     SequencePackingCfg,
+    check_cfg,
     plan_shards,
 )
 
@@ -144,13 +152,16 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """Concatenate batches row-wise into one.
 
         Lists and 1-D tensors are concatenated; tensors of rank >= 2 are right-padded on dim 1 to
-        the widest batch with ``pad_value_dict.get(key, 0)`` (dtype kept). Every batch must have
-        the same columns.
+        the widest batch with ``pad_value_dict.get(key, 0)`` (dtype kept). The result has the
+        union of the batches' columns, in first-seen order; a 0-row batch (``{}`` included) may
+        lack any of them, a batch with rows must have them all (``ValueError`` naming the batch
+        and the columns it lacks).
 
         >>> import torch
         >>> from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
         >>> b = BatchedDataDict.from_batches(
         ...     [{"ids": torch.tensor([[1, 2]]), "text": ["a"]},
+        ...      {},
         ...      {"ids": torch.tensor([[3, 4, 5]]), "text": ["b"]}],
         ...     pad_value_dict={"ids": -1})
         >>> b["ids"].tolist(), b["text"]
@@ -159,41 +170,39 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if not batches:
             raise ValueError("from_batches needs at least one batch")
         pad_value_dict = pad_value_dict or {}
-        keys = list(batches[0].keys())
+        keys = list(dict.fromkeys(k for batch in batches for k in batch))
+        lacking = []
         for i, batch in enumerate(batches):
-            if set(batch.keys()) != set(keys):
-                raise ValueError(
-                    f"batch {i} has columns {sorted(batch.keys())}, batch 0 has {sorted(keys)}"
-                )
-            if isinstance(batch, BatchedDataDict):
-                batch.size  # noqa: B018 (validates equal row counts)
+            sizes = {k: rows_of(k, v) for k, v in batch.items()}
+            if len(set(sizes.values())) > 1:
+                raise ValueError(f"batch {i}: columns have different numbers of rows: {sizes}")
+            rows = next(iter(sizes.values()), 0)
+            missing = [k for k in keys if k not in batch]
+            if rows and missing:
+                lacking.append(f"batch {i} has columns {list(batch)} but lacks {missing}")
+        if lacking:
+            raise ValueError("; ".join(lacking) + " (only a 0-row batch may omit columns)")
         out = cls()
         for k in keys:
-            out[k] = concat_column(k, [batch[k] for batch in batches], pad_value_dict.get(k, 0))
-        out.size  # noqa: B018
+            parts = [batch[k] for batch in batches if k in batch]
+            out[k] = concat_column(k, parts, pad_value_dict.get(k, 0))
         return out
 
-    def select_indices(self, indices: Union[Sequence[int], torch.Tensor]) -> Self:
+    def select_indices(
+        self, indices: Union[Sequence[int], torch.Tensor, np.ndarray, int]
+    ) -> Self:
         """New batch (same type) with rows ``indices`` in that order (repeats allowed).
 
-        Accepts ints in ``[0, size)`` as a sequence or 1-D integer tensor, or a bool mask of
-        length ``size``.
+        Accepts ids in ``[0, size)`` as a list, ``range``, 1-D integer ``numpy`` array or tensor,
+        an integer scalar (one row; the batch dim is kept), or a bool ``torch`` mask of length
+        ``size``; float and bool arrays are refused (see ``batch_columns.row_indices``).
+
+        >>> import numpy as np
+        >>> from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+        >>> BatchedDataDict({"x": ["a", "b", "c"]}).select_indices(np.array([2, 0]))
+        {'x': ['c', 'a']}
         """
-        size = self.size
-        if isinstance(indices, torch.Tensor):
-            if indices.dtype == torch.bool:
-                if indices.shape != (size,):
-                    raise ValueError(f"bool mask of shape {tuple(indices.shape)} for {size} rows")
-                indices = indices.nonzero().flatten()
-            elif indices.ndim != 1 or indices.is_floating_point() or indices.is_complex():
-                raise ValueError(f"indices must be a 1-D integer tensor, got {indices.dtype} "
-                                 f"of shape {tuple(indices.shape)}")
-            rows = indices.tolist()
-        else:
-            rows = list(indices)
-        for i in rows:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size:
-                raise ValueError(f"index {i!r} out of range for a batch of {size} rows")
+        rows = row_indices(indices, self.size)
         out = type(self)()
         for k, v in self.data.items():
             out[k] = take_rows(v, rows)
@@ -386,7 +395,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         the original order. With packing, ``batch_size`` need not divide by ``shards``: shards
         hold whole bins, the same number each, balanced by tokens; when a global batch has fewer
         rows than the bins it needs (e.g. fewer rows than shards), some bins are empty and their
-        micro-batch is a 0-row ``SlicedDataDict`` that the rank must still step through.
+        micro-batch is a 0-row ``SlicedDataDict`` that the rank must still step through. A cfg
+        with an unknown or a missing key raises ``ValueError`` naming it. A 0-row batch gives
+        ``shards`` empty shards (with a cfg: plans of no global batch, so no micro-batch, and
+        ``indices == []``).
 
         >>> from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
         >>> # Create a batch of two message logs with different lengths
@@ -422,6 +434,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise ValueError(f"allow_uneven_shards=True cannot be combined with batch_size={batch_size}")
         if allow_uneven_shards and dynamic_batching_cfg is not None:
             raise ValueError("allow_uneven_shards=True cannot be combined with dynamic batching")
+        if dynamic_batching_cfg is not None:
+            check_cfg(dynamic_batching_cfg, "dynamic")
+        if sequence_packing_cfg is not None:
+            check_cfg(sequence_packing_cfg, "packing")
         total = self.size
         if batch_size is None:
             batch_size = total

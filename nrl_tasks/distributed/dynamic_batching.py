@@ -86,10 +86,12 @@ def plan_dynamic_shards(
 
     Returns ``(rows, ranges, padded)``: ``rows[s]`` the row ids of shard ``s``, global batch
     after global batch; ``ranges[g]`` and ``padded[g]`` the plan of global batch ``g``, shared by
-    all shards.
+    all shards. No rows make no global batch (``batch_size`` may then be 0): empty shards, no plan.
     """
     rows: list[list[int]] = [[] for _ in range(shards)]
     ranges, padded = [], []
+    if not lengths:
+        return rows, ranges, padded
     for off in range(0, len(lengths), batch_size):
         gb_rows, gb_ranges, gb_padded = plan_global_batch(
             lengths[off : off + batch_size], off, shards, max_tokens, round_to, width, lengths_key

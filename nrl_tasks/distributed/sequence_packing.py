@@ -344,7 +344,8 @@ def plan_packed_shards(
     ``capacity`` tokens. Returns ``(rows, plans)``: ``rows[s]`` the row ids of shard ``s`` (bin
     after bin, global batch after global batch); ``plans[s] = (ranges, tokens, counts)`` with,
     per global batch ``g``, the shard-local ``(start, end)`` row range of each bin, its padded
-    tokens, and the shard's row count. ``lengths_key`` only names the column in errors.
+    tokens, and the shard's row count. ``lengths_key`` only names the column in errors. No rows
+    make no global batch (``batch_size`` may then be 0): every shard is empty, its plan empty.
     """
     if algorithm not in PACKING_ALGORITHMS:
         raise ValueError(
@@ -361,6 +362,8 @@ def plan_packed_shards(
     rows: list[list[int]] = [[] for _ in range(shards)]
     plans: list[ShardPlan] = [([], [], []) for _ in range(shards)]
     totals = [0] * shards
+    if not padded:
+        return rows, plans
     for off in range(0, len(padded), batch_size):
         gb = padded[off : off + batch_size]
         groups = pack_for_shards(gb, capacity, algorithm, shards, balance, equalize)

@@ -1,10 +1,17 @@
-"""``advantages`` stage: GRPO group-relative advantages from the persisted rewards.
+"""``advantages`` stage: advantages from the persisted rewards (``grpo.adv_estimator.name``).
 
-A group is the ``num_generations_per_prompt`` rows sharing a ``group_id``. Leave-one-out
-baseline and std normalisation per ``grpo.use_leave_one_out_baseline`` and
-``grpo.normalize_rewards``. Output columns: ``advantages [B]`` float32 (one per sample;
-the train stage broadcasts it over the response tokens) and ``sample_mask [B]`` float32
-(0 for samples whose reward is invalid).
+A group is the ``num_generations_per_prompt`` rows sharing a ``group_id``.
+
+- ``grpo``: leave-one-out baseline and std normalisation per ``grpo.use_leave_one_out_baseline``
+  and ``grpo.normalize_rewards``; ``advantages [B]`` float32, one per sample (the train stage
+  broadcasts it over the response tokens);
+- ``dr_grpo``: the group mean subtracted, no leave-one-out, no std division; ``[B]``;
+- ``reinforce_plus_plus`` (:mod:`nrl_tasks.algorithms.advantage_estimators`): ``advantages [B, S]``
+  float32 per token; with ``loss_fn.use_kl_in_reward`` the stage also reads the step's
+  ``logprobs`` (the KL of ``prev_logprobs`` to ``reference_policy_logprobs`` goes into the reward).
+
+Also ``sample_mask [B]`` float32 (0 for samples whose reward is invalid) and, when the loss adds
+VAPO's positive-example NLL (``loss_fn.positive_example_nll_weight > 0``), ``rewards [B]``.
 """
 
 from __future__ import annotations
@@ -21,33 +28,74 @@ from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.train import finite_or_none
 
-__all__ = ["advantages", "compute_advantages"]
+__all__ = ["advantages", "compute_advantages", "needs_logprobs"]
 
 
-def compute_advantages(group_id: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor, grpo_cfg: Any) -> BatchedDataDict:
-    """``{"advantages" [B], "sample_mask" [B]}`` (float32)."""
-    from nrl_tasks.algorithms.utils import compute_grpo_advantages
+def compute_advantages(
+    group_id: torch.Tensor,
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    grpo_cfg: Any,
+    *,
+    loss_cfg: Any = None,
+    token_mask: torch.Tensor | None = None,
+    logprobs: Any = None,
+) -> BatchedDataDict:
+    """``{"advantages" [B] or [B, S], "sample_mask" [B]}`` (float32; see the module docstring)."""
+    from nrl_tasks.algorithms.utils import calculate_kl, compute_grpo_advantages
 
-    adv = compute_grpo_advantages(
-        group_id,
-        rewards.to(torch.float32),
-        valid.to(torch.float32),
-        leave_one_out_baseline=grpo_cfg.use_leave_one_out_baseline,
-        normalize_rewards=grpo_cfg.normalize_rewards,
-    )
-    return BatchedDataDict({"advantages": adv.to(torch.float32), "sample_mask": valid.to(torch.float32)})
+    est = getattr(grpo_cfg, "adv_estimator", None)
+    if est is not None and est.name == "reinforce_plus_plus":
+        from nrl_tasks.algorithms.advantage_estimators import reinforce_plus_plus_advantages
+
+        if token_mask is None:
+            raise ValueError("grpo.adv_estimator.name=reinforce_plus_plus needs the rollouts' token_mask")
+        kl = None
+        if loss_cfg is not None and loss_cfg.use_kl_in_reward:
+            if logprobs is None:
+                raise ValueError("loss_fn.use_kl_in_reward needs the step's logprobs (prev and reference)")
+            kl = loss_cfg.reference_policy_kl_penalty * calculate_kl(
+                logprobs["prev_logprobs"].double(), logprobs["reference_policy_logprobs"].double(), loss_cfg.reference_policy_kl_type
+            )
+        adv = reinforce_plus_plus_advantages(
+            group_id, rewards.to(torch.float32), valid.to(torch.float32), token_mask,
+            minus_baseline=est.minus_baseline, kl_penalty=kl,
+        )
+    else:
+        dr = est is not None and est.name == "dr_grpo"  # group mean, no std division
+        adv = compute_grpo_advantages(
+            group_id,
+            rewards.to(torch.float32),
+            valid.to(torch.float32),
+            leave_one_out_baseline=False if dr else grpo_cfg.use_leave_one_out_baseline,
+            normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
+        ).to(torch.float32)
+    out = {"advantages": adv, "sample_mask": valid.to(torch.float32)}
+    if loss_cfg is not None and loss_cfg.positive_example_nll_weight > 0:
+        out["rewards"] = torch.where(valid.bool(), rewards.to(torch.float32), torch.zeros_like(rewards, dtype=torch.float32))
+    return BatchedDataDict(out)
+
+
+def needs_logprobs(cfg: Any) -> bool:
+    """Whether the run's ``advantages`` stage reads the step's ``logprobs`` (REINFORCE++ with the KL in the reward)."""
+    return bool(cfg.loss_fn.use_kl_in_reward)
 
 
 @task(name="advantages", task_run_name="advantages-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
-def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef) -> DatasetRef:
-    """GRPO advantages of the step; persist ``advantages``."""
+def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef, logprobs: DatasetRef | None = None) -> DatasetRef:
+    """The step's advantages; persist ``advantages`` (``logprobs``: see :func:`needs_logprobs`)."""
+    cfg = ctx.cfg
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         groups = inputs["rollouts"]["group_id"]
         r, valid = inputs["rewards"]["rewards"], inputs["rewards"]["reward_valid"]
-        out = compute_advantages(groups, r, valid, ctx.cfg.grpo)
+        out = compute_advantages(
+            groups, r, valid, cfg.grpo, loss_cfg=cfg.loss_fn, token_mask=inputs["rollouts"]["token_mask"],
+            logprobs=inputs.get("logprobs"),
+        )
         mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
         figures = {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].double().abs().mean())}
         return out, finite_or_none(figures, f"advantages of step {ctx.step}")
 
-    return run_stage(ctx, "advantages", compute, inputs={"rollouts": rollouts, "rewards": rewards})
+    inputs = {"rollouts": rollouts, "rewards": rewards, **({"logprobs": logprobs} if logprobs is not None else {})}
+    return run_stage(ctx, "advantages", compute, inputs=inputs)

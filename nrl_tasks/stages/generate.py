@@ -27,6 +27,7 @@ from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+from nrl_tasks.stages.schedule import StepSchedule
 
 __all__ = [
     "build_prompt_batch",
@@ -148,10 +149,20 @@ def prompts(ctx: StepContext) -> DatasetRef:
 def generate(ctx: StepContext, prompts: DatasetRef, weights_version: int) -> DatasetRef:
     """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
 
-    The generation workers must hold exactly ``weights_version`` (``StaleWeightsError`` otherwise:
-    an actor fault the flow recovers from with a full refit). The per-sample seeds come from the
-    persisted prompts, so a regenerated step gives the rollouts the first attempt would have.
+    ``weights_version`` must be the step's scheduled version
+    (:meth:`~nrl_tasks.stages.schedule.StepSchedule.generation_version`: ``step - 1``, or
+    ``max(0, step - 1 - a)`` in async GRPO); another is refused with ``ValueError`` before
+    anything runs. The generation workers must hold exactly that version (``StaleWeightsError``
+    otherwise: an actor fault the flow recovers from with a full refit). The per-sample seeds
+    come from the persisted prompts, so a regenerated step gives the rollouts the first attempt
+    would have.
     """
+    scheduled = StepSchedule.from_config(ctx.cfg).generation_version(ctx.step)
+    if int(weights_version) != scheduled:
+        raise ValueError(
+            f"generate of step {ctx.step}: asked for weights version {weights_version}, the run's schedule generates "
+            f"it on version {scheduled} (grpo.async_grpo.enabled / max_trajectory_age_steps)"
+        )
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         prompt_batch = inputs["prompts"]

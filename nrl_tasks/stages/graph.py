@@ -5,7 +5,8 @@
     prompts ──► generate ──► rollouts ─┬─► score ──► rewards ─┐
                                        ├─► logprob ──► logprobs ─┼─► train ──► (refit, checkpoint)
                                        └───────────────────────► advantages ┘
-                                                  (advantages reads rollouts and rewards)
+                          (advantages reads rollouts and rewards; logprobs too for REINFORCE++
+                           with the KL in the reward)
 
 Each :class:`StageSpec` names a stage (its Prefect task), the dataset it commits under
 ``steps/step_N/<output>``, the datasets of the same step it reads, the actors it calls and whether
@@ -58,6 +59,13 @@ class StageSpec:
     actors: tuple[str, ...] = ()
     #: retried on actor faults (the flow re-plans recovery, then runs the step again)
     retried: bool = False
+    #: datasets of the same step it reads in some configurations only (``advantages`` reads
+    #: ``logprobs`` for REINFORCE++ with the KL in the reward); counted by :func:`dependants`
+    optional_inputs: tuple[str, ...] = ()
+
+    @property
+    def all_inputs(self) -> tuple[str, ...]:
+        return self.inputs + self.optional_inputs
 
 
 STAGES: tuple[StageSpec, ...] = (
@@ -65,7 +73,7 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("generate", "rollouts", ("prompts",), ("generation",), retried=True),
     StageSpec("score", "rewards", ("rollouts",), ("reward_model",)),
     StageSpec("logprob", "logprobs", ("rollouts",), ("policy",), retried=True),
-    StageSpec("advantages", "advantages", ("rollouts", "rewards")),
+    StageSpec("advantages", "advantages", ("rollouts", "rewards"), optional_inputs=("logprobs",)),
     StageSpec("train", "train", ("rollouts", "logprobs", "advantages"), ("policy",), retried=True),
 )
 
@@ -102,6 +110,6 @@ def dependants(name: str) -> tuple[str, ...]:
     pipeline order."""
     hit = {spec(name).output}
     for s in STAGES:  # pipeline order: inputs always come before their readers
-        if hit.intersection(s.inputs):
+        if hit.intersection(s.all_inputs):
             hit.add(s.output)
     return tuple(d for d in DATA_STAGES if d in hit)

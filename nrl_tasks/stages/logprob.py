@@ -4,6 +4,11 @@ Output columns: ``prev_logprobs [B, S]`` and ``reference_policy_logprobs [B, S]`
 NeMo-RL convention: position 0 is 0, position i holds ``log p(token_i | tokens_<i)``,
 padding 0). With ``loss_fn.reference_policy_kl_penalty == 0`` the reference pass is skipped
 and the column is a copy of ``prev_logprobs`` (the KL term is then exactly 0).
+
+When nothing reads them (:func:`logprob_needed` is false: ``loss_fn.force_on_policy_ratio``, no
+KL term in the loss or the reward; the config allows that ratio only with one optimizer step per
+rollout batch) the stage does not run at all: the step has no ``logprobs`` dataset, ``train`` and
+its replays do without, and the metrics line says ``logprob_skipped: true``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ from nrl_tasks.stages.errors import StalePolicyError
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
-__all__ = ["check_policy_version", "compute_logprobs", "logprob"]
+__all__ = ["check_policy_version", "compute_logprobs", "logprob", "logprob_needed"]
+
+
+def logprob_needed(cfg: Any) -> bool:
+    """Whether any stage reads the step's ``logprobs`` (see the module docstring)."""
+    loss = cfg.loss_fn
+    return not (loss.force_on_policy_ratio and loss.kl_in_loss == 0 and not loss.use_kl_in_reward)
 
 
 def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:

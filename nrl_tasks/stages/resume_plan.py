@@ -24,6 +24,16 @@ The plan (:class:`ResumePlan`) says:
 3. **refit** the generation workers to ``last`` when they are re-created, stale, hold another
    version, the policy was restored, or the caller asks (every resume starts with a full refit).
 
+**Async GRPO** (``lookahead = a > 0``, :mod:`nrl_tasks.stages.schedule`): step ``s`` generates on
+weights version ``max(0, s-1-a)``, so the steps after ``last`` up to ``last + a`` generate on
+versions older than the policy's. Those whose rollouts are not committed (the run stopped while
+they were being generated) are the *ungenerated* steps: the policy must pass through their version
+again. The anchor is then the newest undamaged checkpoint at or before the oldest version
+needed (by an ungenerated step, or by a replayed step whose rollouts must be recomputed); the
+plan **generates** each such step when the replay holds its version (``generate_at``: version ->
+steps, the generation workers refitted to it first) and replays on to ``last``. A live policy at
+``last`` is restored for it too: the rollouts then come from their scheduled weights exactly.
+
 The flow carries the plan out with one executor (:func:`flows.recovery.execute_plan`), at the
 start of every run and after every actor fault, before the failed step runs again.
 """
@@ -55,11 +65,35 @@ class RunFacts:
     checksums: Mapping[int, str | None] = field(default_factory=dict)
     #: checkpoint step -> what is wrong with it (names the file); checked ones only
     damaged_checkpoints: Mapping[int, str] = field(default_factory=dict)
+    #: the async schedule's trajectory age (0: synchronous GRPO)
+    lookahead: int = 0
+    #: steps after ``last_trained`` whose rollouts are not committed and whose scheduled weights
+    #: version is older than ``last_trained`` (async only)
+    ungenerated: tuple[int, ...] = ()
+
+    def generation_version(self, step: int) -> int:
+        """The weights version that generates ``step``'s rollouts (:class:`~nrl_tasks.stages.schedule.StepSchedule`)."""
+        return max(0, step - 1 - self.lookahead)
+
+    def _newest_checkpoint(self, at_most: int) -> int:
+        return max((c for c in self.checkpoints if c <= at_most and c not in self.damaged_checkpoints), default=0)
 
     @property
     def anchor(self) -> int:
-        """The newest undamaged checkpoint at or before ``last_trained`` (0: none)."""
-        return max((c for c in self.checkpoints if c <= self.last_trained and c not in self.damaged_checkpoints), default=0)
+        """The newest undamaged checkpoint at or before ``last_trained`` and at or before every
+        version an ungenerated step, or a replayed step lacking its rollouts, generates on (0: none).
+
+        >>> RunFacts("r", 4, (2, 3, 4), lookahead=1, ungenerated=(5,)).anchor  # step 5 generates on v3
+        3
+        """
+        floor = min([self.last_trained, *(self.generation_version(s) for s in self.ungenerated)])
+        while True:
+            anchor = self._newest_checkpoint(floor)
+            need = [self.generation_version(s) for s in range(anchor + 1, self.last_trained + 1)
+                    if "rollouts" in self.missing.get(s, ())]
+            if not need or min(need) >= anchor:
+                return anchor
+            floor = min(need)
 
     @property
     def skipped_checkpoints(self) -> tuple[int, ...]:
@@ -98,6 +132,10 @@ class ResumePlan:
     discard: Mapping[int, str] = field(default_factory=dict)
     #: the weights checksum the restored checkpoint must hold after loading (``None``: unknown)
     restore_checksum: str | None = None
+    #: weights version -> steps whose rollouts are generated (and scored) when the restored and
+    #: replayed policy holds that version, on generation workers refitted to it (async GRPO;
+    #: in sync mode the replayed steps lacking rollouts, at their own ``step - 1``)
+    generate_at: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def touches_actors(self) -> bool:
@@ -117,6 +155,11 @@ class ResumePlan:
             parts.append(f"restore {'checkpoint ' + str(self.restore_from) if self.restore_from else 'the initial weights'}")
         if self.recompute:
             parts.append("recompute " + ", ".join(f"{s}: {'/'.join(d)}" for s, d in sorted(self.recompute.items())))
+        ahead = {v: steps for v, steps in self.generate_at.items() if any(s > self.target for s in steps)}
+        if ahead:
+            parts.append("generate " + ", ".join(
+                f"step {'/'.join(str(s) for s in steps if s > self.target)} on version {v}" for v, steps in sorted(ahead.items())
+            ))
         if self.replay:
             parts.append(f"replay train of step(s) {', '.join(map(str, self.replay))}")
         if self.refit:
@@ -154,11 +197,13 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
     if recreate_policy:
         reasons.append("a policy rank is dead or does not answer")
     want = facts.checksums.get(last) if last > 0 else None
+    behind = facts.ungenerated
     live_ok = (
         not recreate_policy
         and health.policy_version == last
         and (want is None or health.policy_checksum == want)
         and not repair
+        and not behind
     )
     if live_ok:
         restore_from = None
@@ -169,6 +214,11 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
         if not recreate_policy:
             if repair:
                 reasons.append(f"steps {sorted(repair)} lack datasets: restore and replay to recompute them")
+            elif behind:
+                reasons.append(
+                    f"step(s) {', '.join(map(str, behind))} must generate on older weights than version {last}: "
+                    "restore and replay through them"
+                )
             elif health.policy_version != last:
                 reasons.append(f"the policy holds weights version {health.policy_version}, the run needs {last}")
             else:
@@ -178,8 +228,17 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
     recreate_generation = not health.generation_alive
     if recreate_generation:
         reasons.append("a generation worker is dead or does not answer")
+    generate_at: dict[int, tuple[int, ...]] = {}
+    if restore_from is not None:
+        gen = [s for s in sorted(repair) if "rollouts" in repair[s]] + list(behind)
+        for s in gen:
+            generate_at.setdefault(facts.generation_version(s), ())
+            generate_at[facts.generation_version(s)] += (s,)
     # recomputing a replayed step's rollouts refits the workers to that step's weights first
-    refit = force_refit or recreate_generation or health.generation_version != last or bool(repair and restore_from is not None)
+    refit = (
+        force_refit or recreate_generation or health.generation_version != last
+        or bool(repair and restore_from is not None) or bool(generate_at)
+    )
     return ResumePlan(
         target=last,
         recreate_policy=recreate_policy,
@@ -191,6 +250,7 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
         reasons=tuple(reasons),
         discard={c: facts.damaged_checkpoints[c] for c in skipped} if restore_from is not None else {},
         restore_checksum=facts.checksums.get(anchor) if restore_from else None,
+        generate_at=generate_at,
     )
 
 
@@ -201,13 +261,19 @@ def read_run_facts(
     max_step: int | None = None,
     verify_checkpoints: bool = False,
     damaged: Mapping[int, str] | None = None,
+    lookahead: int = 0,
+    max_steps: int | None = None,
+    skipped: tuple[str, ...] = (),
 ) -> RunFacts:
     """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix).
 
-    ``verify_checkpoints``: check the files of the checkpoints at or before the last trained
-    step, newest first, until one passes (:func:`~nrl_tasks.stages.checkpoint_files.check_checkpoint`;
+    ``verify_checkpoints``: check the files of the anchor, and of the next older checkpoint
+    while one fails, until one passes (:func:`~nrl_tasks.stages.checkpoint_files.check_checkpoint`;
     it reads every byte of a local checkpoint, so recovery asks only when it would restore one).
     ``damaged``: checkpoints already found damaged (step -> problem), kept as facts.
+    ``lookahead``: the async schedule's trajectory age (steps after the trained prefix, up to
+    ``max_steps``, whose rollouts are missing are then looked for: :attr:`RunFacts.ungenerated`).
+    ``skipped``: datasets the run's steps do not make (``logprobs`` when nothing reads them), never missing.
     """
     import storage
 
@@ -225,18 +291,27 @@ def read_run_facts(
     listed = list_checkpoints(layout.checkpoints_uri, storage_options)
     checkpoints = tuple(s for s, _ in listed)
     bad = {s: p for s, p in (damaged or {}).items() if s in checkpoints}
-    if verify_checkpoints:
-        for s, uri in reversed(listed):
-            if s > last or s in bad:
-                continue
-            problem = check_checkpoint(uri, storage_options)
-            if problem is None:
-                break
-            bad[s] = problem
-    anchor = max((c for c in checkpoints if c <= last and c not in bad), default=0)
-    missing = {}
-    for s in range(anchor + 1, last + 1):
-        gone = tuple(d for d in STEP_INPUTS if not storage.is_committed(layout.stage_uri(s, d), **kw))
-        if gone:
-            missing[s] = gone
-    return RunFacts(layout.run_id, last, checkpoints, missing, checksums, bad)
+    horizon = last + lookahead if max_steps is None else min(max_steps, last + lookahead)
+    ungenerated = tuple(
+        s for s in range(last + 1, horizon + 1)
+        if max(0, s - 1 - lookahead) < last and not storage.is_committed(layout.stage_uri(s, "rollouts"), **kw)
+    )
+    missing: dict[int, tuple[str, ...]] = {}
+    looked = last + 1  # steps >= looked have been looked at; an older anchor needs more of them
+    while True:
+        facts = RunFacts(layout.run_id, last, checkpoints, dict(missing), checksums, dict(bad), lookahead, ungenerated)
+        anchor = facts.anchor
+        if anchor + 1 < looked:
+            for s in range(anchor + 1, looked):
+                gone = tuple(d for d in STEP_INPUTS
+                             if d not in skipped and not storage.is_committed(layout.stage_uri(s, d), **kw))
+                if gone:
+                    missing[s] = gone
+            looked = anchor + 1
+            continue
+        if not verify_checkpoints or anchor == 0:
+            return facts
+        problem = check_checkpoint(dict(listed)[anchor], storage_options)
+        if problem is None:
+            return facts
+        bad[anchor] = problem  # the next older one is the anchor then

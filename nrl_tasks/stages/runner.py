@@ -127,7 +127,7 @@ def _load_inputs(ctx: StepContext, name: str, inputs: Mapping[str, DatasetRef]) 
     import storage
 
     try:
-        allowed = set(stage_spec(name).inputs)
+        allowed = set(stage_spec(name).all_inputs)
     except KeyError:  # a stage outside the step graph (validate): no declared inputs to check
         allowed = set()
     out = {}

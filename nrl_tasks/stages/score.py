@@ -7,7 +7,10 @@ NaN/inf, beyond float32 range, not numbers, or come from a raising function are 
 (``reward_valid`` False) and counted in the manifest (``invalid_rewards``) instead of ending
 the run.
 
-Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool.
+Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool. With
+``grpo.reward_shaping.enabled`` (DAPO's soft overlong punishment,
+:mod:`nrl_tasks.algorithms.reward_shaping`) ``rewards`` holds the shaped reward and
+``task_rewards [B]`` the environment's.
 """
 
 from __future__ import annotations
@@ -78,7 +81,17 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
             for e in errors:
                 logger.warning("step %d reward: %s", ctx.step, e)
         n_valid = int(valid.sum())
-        return BatchedDataDict({"rewards": rewards, "reward_valid": valid}), {
+        out, shaped = {"rewards": rewards, "reward_valid": valid}, {}
+        shaping = ctx.cfg.grpo.reward_shaping
+        if shaping.enabled:
+            from nrl_tasks.algorithms.reward_shaping import overlong_penalty
+
+            lmax = shaping.max_response_length or ctx.cfg.gen.max_new_tokens
+            pen = overlong_penalty(inputs["rollouts"]["generation_lengths"], lmax, shaping.overlong_buffer_length,
+                                   shaping.overlong_buffer_penalty)
+            out = {"rewards": torch.where(valid, rewards + pen, rewards), "reward_valid": valid, "task_rewards": rewards}
+            shaped = {"overlong_penalty_mean": float(pen.double().mean()), "overlong_frac": float((pen < 0).double().mean())}
+        return BatchedDataDict(out), {**shaped,
             # float64: a mean of float32 rewards near float32's max must not overflow to inf
             "reward_mean": float(rewards[valid].double().mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
             "invalid_rewards": int(valid.numel() - n_valid), "reward_errors": "; ".join(errors)[:2000],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -20,6 +20,7 @@ from prefect import task
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.graph import REPLAY_INPUTS
+from nrl_tasks.stages.logprob import logprob_needed
 from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
@@ -44,20 +45,27 @@ def finite_or_none(figures: dict[str, Any], where: str) -> dict[str, Any]:
 TRAIN_INPUT_STAGES = REPLAY_INPUTS
 
 
-def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict, adv: BatchedDataDict) -> BatchedDataDict:
+def build_train_data(rollouts: BatchedDataDict, logprobs: BatchedDataDict | None, adv: BatchedDataDict) -> BatchedDataDict:
     """The ``ClippedPGLossFn`` input: ``input_ids, input_lengths, token_mask, sample_mask,
-    advantages [B,S], prev_logprobs, generation_logprobs, reference_policy_logprobs``."""
+    advantages [B,S], prev_logprobs, generation_logprobs, reference_policy_logprobs`` (the two
+    policy logprob columns only with ``logprobs``: a skipped ``logprob`` stage has none)."""
     token_mask = rollouts["token_mask"].to(torch.float32)
+    lp = {} if logprobs is None else {
+        "prev_logprobs": logprobs["prev_logprobs"].to(torch.float32),
+        "reference_policy_logprobs": logprobs["reference_policy_logprobs"].to(torch.float32),
+    }
     return BatchedDataDict(
         {
             "input_ids": rollouts["input_ids"],
             "input_lengths": rollouts["input_lengths"],
             "token_mask": token_mask,
             "sample_mask": adv["sample_mask"].to(torch.float32),
-            "advantages": adv["advantages"].to(torch.float32).unsqueeze(1) * token_mask,
-            "prev_logprobs": logprobs["prev_logprobs"].to(torch.float32),
+            # one advantage per sample [B] (GRPO), or per token [B, S] (REINFORCE++ with the KL in the reward)
+            "advantages": (a if (a := adv["advantages"].to(torch.float32)).ndim == 2 else a.unsqueeze(1)) * token_mask,
+            **lp,
             "generation_logprobs": rollouts["generation_logprobs"].to(torch.float32),
-            "reference_policy_logprobs": logprobs["reference_policy_logprobs"].to(torch.float32),
+            # the sample's reward (VAPO's positive-example NLL); advantages datasets carry it since issue 12
+            **({"rewards": adv["rewards"].to(torch.float32)} if "rewards" in adv else {}),
         }
     )
 
@@ -70,25 +78,34 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
-def train_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """Scalar metrics of a ``Policy.train`` result (``all_mb_metrics`` averaged per key)."""
+def train_metrics(result: dict[str, Any], reductions: Mapping[str, str] | None = None) -> dict[str, float]:
+    """Scalar metrics of a ``Policy.train`` result. The loss function's per-micro-batch figures
+    (``all_mb_metrics``, of every rank) are normalised by the global batch's token or sequence
+    count, so they are summed over a global batch and averaged over global batches (NeMo-RL's
+    reduction); ``reductions`` (the loss function's ``metric_reductions``) names the figures
+    combined otherwise (``min``, ``max``, ``mean``); ``*_min`` / ``*_max`` take the extremum."""
     out: dict[str, float] = {}
     for k, v in result.items():
         s = _scalar(v)
         if s is not None:
             out[k] = s
+    n_gb = max(1, int(out.get("num_global_batches", 1)))
     mb = result.get("all_mb_metrics")
+    per_key: dict[str, list[float]] = {}
     if isinstance(mb, dict):
         for k, vals in mb.items():
-            vals = [x for x in (map(_scalar, vals if isinstance(vals, list) else [vals])) if x is not None]
-            if vals and k not in out:
-                out[k] = sum(vals) / len(vals)
+            per_key[k] = [x for x in map(_scalar, vals if isinstance(vals, list) else [vals]) if x is not None]
     elif isinstance(mb, list):
-        keys = {k for d in mb if isinstance(d, dict) for k in d}
-        for k in keys:
-            vals = [s for d in mb if isinstance(d, dict) and (s := _scalar(d.get(k))) is not None]
-            if vals and k not in out:
-                out[k] = sum(vals) / len(vals)
+        for d in mb:
+            for k, v in (d.items() if isinstance(d, dict) else ()):
+                if (x := _scalar(v)) is not None:
+                    per_key.setdefault(k, []).append(x)
+    how = dict(reductions or {})
+    for k, vals in per_key.items():
+        if not vals or k in out:
+            continue
+        r = how.get(k) or ("max" if k.endswith("_max") else "min" if k.endswith("_min") else "sum")
+        out[k] = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v)}.get(r, lambda v: sum(v) / n_gb)(vals)
     return out
 
 
@@ -96,8 +113,9 @@ def run_train(policy: Any, data: BatchedDataDict, loss_cfg: Any, *, gbs: int, mb
     """One ``Policy.train`` call with ``ClippedPGLossFn(loss_cfg)``; scalar metrics."""
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 
-    result = policy.train(data, ClippedPGLossFn(loss_cfg), gbs=gbs, mbs=mbs)
-    return train_metrics(result)
+    loss_fn = ClippedPGLossFn(loss_cfg)
+    result = policy.train(data, loss_fn, gbs=gbs, mbs=mbs)
+    return train_metrics(result, loss_fn.metric_reductions)
 
 
 def _check_version(policy: Any, step: int) -> None:
@@ -117,7 +135,8 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
 
     layout, kw, cfg = run.layout, run.storage_kw, run.cfg
     meta = storage.read_manifest(layout.stage_uri(step, "train"), **kw).meta
-    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) for s in REPLAY_INPUTS]
+    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) if s != "logprobs" or logprob_needed(cfg) else None
+             for s in REPLAY_INPUTS]
     run_train(run.policy, build_train_data(*parts), cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
     _check_version(run.policy, step)
     expected = meta.get("weights_checksum")
@@ -132,7 +151,7 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
 
 
 @task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
-def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantages: DatasetRef) -> DatasetRef:
+def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, advantages: DatasetRef) -> DatasetRef:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
 
     Expects the policy at weights version ``step - 1`` (``StalePolicyError`` otherwise) and leaves
@@ -145,7 +164,7 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         policy = ctx.policy
         check_policy_version(policy, ctx.step - 1, f"train of step {ctx.step}")
-        data = build_train_data(*(inputs[s] for s in REPLAY_INPUTS))
+        data = build_train_data(*(inputs.get(s) for s in REPLAY_INPUTS))
         ctx.actor_call("train", "policy", policy.worker_group.workers)
         with timer.phase("train"):
             metrics = run_train(
@@ -161,7 +180,10 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef, advantag
         return BatchedDataDict(row), finite_or_none({
             "train_seconds": timer.seconds["train"], "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9),
             "weights_checksum": checksum, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+            # importance-sampling weights pi_prev / pi_gen of the step's tokens (async GRPO: one version apart)
+            "is_weight_mean": metrics.get("sampling_importance_ratio"),
+            "is_weight_max": metrics.get("sampling_importance_ratio_max"),
         }, f"train of step {ctx.step}")
 
-    inputs = {"rollouts": rollouts, "logprobs": logprobs, "advantages": advantages}
+    inputs = {"rollouts": rollouts, "advantages": advantages, **({"logprobs": logprobs} if logprobs is not None else {})}
     return run_stage(ctx, "train", compute, inputs=inputs, weights_version=ctx.step)

@@ -25,6 +25,10 @@ choice. Both sides wait for every in-flight broadcast before returning.
 CPU buffers are kept in a small process-wide pool and reused by later calls (fresh
 allocations cost page faults on every refit); :func:`release_packed_buffers` frees them and
 ``NRL_REFIT_CACHE_BUFFERS=0`` disables the pool.
+
+The consumer's callback mode receives each batch into a fresh buffer, so a callback may keep its
+tensors (callers ported from NeMo-RL do); ``reuse_buffers=True`` (not in NeMo-RL) opts in to the
+pooled, reused buffers, for callbacks that copy the tensors out before returning.
 """
 
 from __future__ import annotations
@@ -177,7 +181,10 @@ def release_packed_buffers() -> int:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a contiguous 1-D uint8 tensor (a view when already contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().reshape(-1)
+    if flat.stride(0) != 1:  # not contiguous, or 0/1 elements with any stride (x[:, 0] of [1, S])
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,19 +308,21 @@ def _packed_broadcast_consumer_batches(
     num_buffers: int | None = None,
     buffer_size_bytes: int | None = None,
     use_legacy_packing: bool = False,
+    reuse_buffers: bool = True,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield unpacked batches ``[(name, tensor)]`` while keeping ownership of the receive buffers.
 
     Tensors of a batch are views into a receive buffer (misaligned ones are fresh copies) and
-    stay valid only until the next batch is requested: copy what you keep. Nothing is received
-    until the first batch is requested.
+    stay valid only until the next batch is requested: copy what you keep. With
+    ``reuse_buffers=False`` every batch gets a fresh buffer instead, and its tensors stay valid.
+    Nothing is received until the first batch is requested.
     """
     target, count = _resolve(buffer_size_bytes, num_buffers)
-    return _consume(iter(iterator), group, src, target, count, use_legacy_packing)
+    return _consume(iter(iterator), group, src, target, count, use_legacy_packing, reuse_buffers)
 
 
 def _consume(
-    meta: Iterator[Any], group: Any, src: int, target: int, count: int, legacy: bool
+    meta: Iterator[Any], group: Any, src: int, target: int, count: int, legacy: bool, reuse: bool
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     planner = _ChunkPlanner(target, legacy)
     planned: deque[_Chunk] = deque()
@@ -334,10 +343,13 @@ def _consume(
                 continue
             planned.extend(planner.add(_parse_meta(item)))
         chunk = planned.popleft()
-        with pipe.stream_context():  # oversized tensors too land in a reused buffer: no fresh pages
-            buf = pipe.acquire(chunk.nbytes, exact=chunk.final)
+        with pipe.stream_context():  # reused: oversized tensors too land in a pooled buffer
+            buf = pipe.acquire(chunk.nbytes, exact=chunk.final) if reuse else None
+        if buf is None:  # fresh: the caller's to keep, allocated on its (current) stream
+            data = torch.empty(chunk.nbytes, dtype=torch.uint8, device=pipe.device)
+        else:
             data = buf[: chunk.nbytes]
-        pipe.launch(data, buf, chunk)
+        pipe.launch(data, buf, (chunk, data))
         return True
 
     ok = False
@@ -345,9 +357,8 @@ def _consume(
         while pipe.pending() < count and issue_next():
             pass
         while pipe.pending():
-            buf, chunk = pipe.next_done()
-            assert buf is not None
-            batch = _unpack(chunk, buf[: chunk.nbytes])
+            buf, (chunk, data) = pipe.next_done()
+            batch = _unpack(chunk, data)
             yield batch
             del batch
             pipe.release(buf)
@@ -368,16 +379,23 @@ def packed_broadcast_consumer(
     num_buffers: int | None = None,
     buffer_size_bytes: int | None = None,
     use_legacy_packing: bool = False,
+    reuse_buffers: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]] | None:
     """Receive what :func:`packed_broadcast_producer` sends; ``iterator`` yields ``(name, (shape, dtype))``.
 
-    Calls ``post_unpack_func(batch)`` per received batch and returns ``None``; or, with
-    ``return_iterator=True``, returns a lazy flat iterator of ``(name, tensor)`` (for vLLM's
-    ``reload_weights``) whose tensors stay valid until it moves past their batch.
+    Calls ``post_unpack_func(batch)`` per received batch and returns ``None``. Each batch is
+    received into a fresh buffer, so the callback may keep its tensors without copying them.
+    ``reuse_buffers=True`` receives into the pooled, reused buffers instead (no allocation per
+    batch): the batch's tensors are then views that later batches overwrite, so the callback
+    must copy what it keeps before it returns (e.g. ``param.copy_(tensor)``).
+
+    With ``return_iterator=True``, returns a lazy flat iterator of ``(name, tensor)`` (for vLLM's
+    ``reload_weights``) that always reuses its buffers: a tensor stays valid until the iterator
+    moves past its batch (``reuse_buffers`` is ignored).
     """
     batches = _packed_broadcast_consumer_batches(
-        iterator, group, src, num_buffers=num_buffers,
-        buffer_size_bytes=buffer_size_bytes, use_legacy_packing=use_legacy_packing,
+        iterator, group, src, num_buffers=num_buffers, buffer_size_bytes=buffer_size_bytes,
+        use_legacy_packing=use_legacy_packing, reuse_buffers=reuse_buffers or return_iterator,
     )
     if return_iterator:
         return (named for batch in batches for named in batch)

@@ -231,3 +231,39 @@ def test_nll_loss_global_normalisation_and_gradient():
     torch.testing.assert_close(halves, loss)
     loss.backward()
     torch.testing.assert_close(curr.grad, -mask / mask.sum())
+
+
+def test_importance_sampling_correction_per_token_against_hand_computed_numbers():
+    """Token-level weights ``w_t = exp(prev_t - gen_t)``, detached: the loss is
+    ``sum_t w_t * (-A_t * r_t) / N`` and its gradient ``-w_t * A_t * r_t / N`` (``r_t = 1`` here);
+    the metrics report the mean and the max weight."""
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 1]]),
+        "sample_mask": torch.tensor([1.0]),
+        "advantages": torch.tensor([[0.0, 1.0, -1.0, 2.0]]),
+        "prev_logprobs": torch.tensor([[0.0, LOG_HALF, LOG_HALF, LOG_HALF]]),
+        "generation_logprobs": torch.tensor([[0.0, LOG_HALF + 0.2, LOG_HALF - 0.3, LOG_HALF]]),
+        "reference_policy_logprobs": torch.tensor([[0.0, LOG_HALF, LOG_HALF, LOG_HALF]]),
+    }
+    curr = torch.full((1, 3), LOG_HALF).requires_grad_(True)  # = prev: every ratio is 1
+    loss, metrics = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0, "use_importance_sampling_correction": True})(
+        curr, data, 1, 3
+    )
+    w = [math.exp(-0.2), math.exp(0.3), 1.0]
+    adv = [1.0, -1.0, 2.0]
+    assert loss.item() == pytest.approx(sum(wt * -a for wt, a in zip(w, adv)) / 3, rel=1e-6)
+    loss.backward()
+    assert curr.grad[0].tolist() == pytest.approx([-wt * a / 3 for wt, a in zip(w, adv)], rel=1e-6)
+    assert metrics["sampling_importance_ratio"] == pytest.approx(sum(w) / 3, rel=1e-6)
+    assert metrics["sampling_importance_ratio_max"] == pytest.approx(math.exp(0.3), rel=1e-6)
+
+
+def test_train_metrics_sum_globally_normalised_micro_batch_figures():
+    from nrl_tasks.stages.train import train_metrics
+
+    # two micro-batches of one global batch, each figure already divided by the global count
+    result = {"loss": 0.25, "num_global_batches": 1, "all_mb_metrics": {
+        "probs_ratio": [0.5, 0.5], "sampling_importance_ratio_max": [1.2, 1.5], "num_valid_samples": [8.0, 8.0]}}
+    m = train_metrics(result)
+    assert m["probs_ratio"] == pytest.approx(1.0) and m["num_valid_samples"] == 16.0
+    assert m["sampling_importance_ratio_max"] == 1.5 and m["loss"] == 0.25

@@ -33,6 +33,15 @@ def _local_batch(rank: int) -> BatchedDataDict:
     )
 
 
+def _tiny_view_batch(rank: int) -> BatchedDataDict:
+    """Rank 0: one row, x[:, 0] of [1, S] tensors; rank 1: zero rows, x[:, 0] of [0, S] ones."""
+    rows = 1 - rank
+    return BatchedDataDict({
+        "reward": torch.arange(7, 12, dtype=torch.float32).reshape(1, 5)[:rows, 0],
+        "ids": torch.arange(12).reshape(1, 3, 4)[:rows, :, 0],  # [rows, 3], strides (12, 4)
+    })
+
+
 def _as_plain(batch: BatchedDataDict) -> dict[str, Any]:
     return {k: (v.float().tolist(), str(v.dtype)) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()}
@@ -47,6 +56,8 @@ def _worker(rank: int, store_path: str, results: Any) -> None:
         empty_or_not = (BatchedDataDict() if rank == 1 else
                         BatchedDataDict({"x": ["only0"], "t": torch.tensor([[1.5, 2.5]])}))
         out["partial"] = _as_plain(empty_or_not.all_gather(dist.group.WORLD))
+        # 0- and 1-element views whose stride is not 1 (x[:, 0] of a [1, S] tensor)
+        out["tiny_views"] = _as_plain(_tiny_view_batch(rank).all_gather(None))
         # a dtype mismatch raises the same error on every rank instead of hanging
         bad = BatchedDataDict({"x": torch.zeros(1, dtype=torch.float32 if rank else torch.int64)})
         try:
@@ -101,6 +112,12 @@ def test_all_gather_jagged_shapes_and_dtypes(gathered):
 def test_all_gather_rank_without_columns(gathered):
     for rank in range(WORLD):
         assert gathered[rank]["partial"] == {"x": ["only0"], "t": ([[1.5, 2.5]], "torch.float32")}
+
+
+def test_all_gather_tiny_strided_views(gathered):
+    for rank in range(WORLD):
+        assert gathered[rank]["tiny_views"] == {"reward": ([7.0], "torch.float32"),
+                                                "ids": ([[0.0, 4.0, 8.0]], "torch.int64")}
 
 
 def test_all_gather_schema_mismatch_raises_everywhere(gathered):

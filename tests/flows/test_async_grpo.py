@@ -1,7 +1,8 @@
 """Async GRPO through the real flow (tiny config, 3 steps, age 1): every step's rollouts come from
 exactly its scheduled weights version, the metrics line records the trajectory age, and in the
 Prefect API the generation of step N+1 runs while step N trains (the overlap, from the task runs'
-start and end times). The same async run twice ends with the same weights."""
+start and end times). A 3-step run extended to 4 steps ends with the weights of the uninterrupted
+4-step run (``async_run``), which also shows two async runs agree."""
 
 from __future__ import annotations
 
@@ -59,18 +60,44 @@ def test_async_run_follows_the_schedule_and_overlaps(tmp_path, prefect_harness, 
         assert json.load(fh)["status"] == "completed"
 
 
-def test_async_run_is_deterministic(tmp_path, prefect_harness, ray_session, tiny_model_dir):
-    from tests.faults.helpers import train_checksum
-
-    a = _run(tmp_path / "a", tiny_model_dir, ray_session, "async-b1")
-    b = _run(tmp_path / "b", tiny_model_dir, ray_session, "async-b2")
-    assert [train_checksum(a, "async-b1", s) for s in (1, 2, 3)] == [train_checksum(b, "async-b2", s) for s in (1, 2, 3)]
-
-
-def test_resuming_an_async_run_is_refused_until_implemented(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+def test_extending_an_async_run_generates_the_missing_step_on_its_own_version(
+    tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run
+):
+    """A 3-step async run extended to 4 steps: step 4 generates on version 2 (the schedule), older
+    than the policy's 3, so the resume restores checkpoint 2, generates step 4 on it, replays step 3
+    and trains 4: the weights equal the uninterrupted 4-step run's, step for step."""
+    import storage
     from flows.grpo import grpo
+    from tests.faults.helpers import train_checksum
+    from tests.fixtures.grpo_runs import ASYNC_OVERRIDES, ASYNC_RUN_ID
 
-    root = _run(tmp_path, tiny_model_dir, ray_session, "async-c")
-    with pytest.raises(ValueError, match="resuming an async GRPO run is not implemented"):
-        grpo(config=None, run_id="async-c", resume=True, storage=root, overrides=["grpo.max_num_steps=4"])
-    kill_run_actors("async-c")
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{**ASYNC_OVERRIDES, "grpo.max_num_steps": 3})
+    try:
+        grpo(config=cfg, run_id="async-x")
+        kill_run_actors("async-x")  # a lost local Ray: the resume starts from storage
+        out = grpo(config=None, run_id="async-x", resume=True, storage=root, overrides=["grpo.max_num_steps=4"])
+    finally:
+        kill_run_actors("async-x")
+    assert out["restored"]["restored_from"].endswith("step_000002"), out["restored"]
+    m = storage.read_manifest(os.path.join(root, "async-x", "steps", "step_000004", "rollouts"))
+    assert m.meta["weights_version"] == 2
+    ref = async_run["root"]
+    assert [train_checksum(root, "async-x", s) for s in (1, 2, 3, 4)] == [
+        train_checksum(ref, ASYNC_RUN_ID, s) for s in (1, 2, 3, 4)
+    ]
+
+
+def test_generate_refuses_an_unscheduled_version(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    from flows.config import load_config
+    from nrl_tasks.stages.generate import generate
+
+    cfg = load_config(tiny_run_config(tiny_model_dir, str(tmp_path), ray_session, **ASYNC))
+
+    class Ctx:  # the far side of the check: a step context that has only what it reads
+        step, cfg = 3, None
+
+    ctx = Ctx()
+    ctx.cfg = cfg
+    with pytest.raises(ValueError, match="generate of step 3: asked for weights version 2, the run's schedule generates it on version 1"):
+        generate.fn(ctx, None, 2)

@@ -9,14 +9,15 @@ from nrl_tasks.stages import graph
 def test_every_input_is_an_earlier_output():
     seen: set[str] = set()
     for spec in graph.STAGES:
-        assert set(spec.inputs) <= seen, spec
+        assert set(spec.all_inputs) <= seen, spec
         seen.add(spec.output)
 
 
 def test_dependants_are_transitive_and_in_pipeline_order():
     assert graph.dependants("prompts") == graph.DATA_STAGES
     assert graph.dependants("generate") == ("rollouts", "rewards", "logprobs", "advantages", "train")
-    assert graph.dependants("logprobs") == ("logprobs", "train")
+    # advantages may read logprobs (REINFORCE++ with the KL in the reward): recomputed with them
+    assert graph.dependants("logprobs") == ("logprobs", "advantages", "train")
     assert graph.dependants("train") == ("train",)
 
 

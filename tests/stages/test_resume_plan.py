@@ -115,3 +115,44 @@ def test_damaged_checkpoints_after_the_trained_prefix_do_not_matter():
     assert facts.anchor == 2 and facts.skipped_checkpoints == ()
     plan = plan_resume(facts, FRESH)
     assert plan.restore_from == 2 and plan.discard == {}
+
+
+# async GRPO: steps generated ahead on older weights (lookahead a: step s generates on max(0, s-1-a))
+
+
+def _async(last=4, checkpoints=(2, 4), ungenerated=(), missing=None, lookahead=1):
+    return RunFacts("r", last, tuple(checkpoints), missing or {}, {s: f"c{s}" for s in range(1, last + 1)},
+                    lookahead=lookahead, ungenerated=tuple(ungenerated))
+
+
+def test_async_nothing_lost_keeps_the_live_policy():
+    plan = plan_resume(_async(), LIVE)
+    assert not plan.touches_actors and plan.generate_at == {}
+
+
+def test_async_lost_rollouts_of_the_next_step_restore_before_its_version():
+    # step 5 generates on version 3 (< 4): checkpoint 4 is too new, checkpoint 2 is the anchor
+    plan = plan_resume(_async(ungenerated=(5,)), LIVE)
+    assert plan.restore_from == 2 and plan.replay == (3, 4) and plan.generate_at == {3: (5,)}
+    assert plan.refit and not plan.recreate_policy
+    assert "step 5 on version 3" in plan.describe()
+
+
+def test_async_age_2_lost_steps_generate_at_each_version_from_the_initial_weights():
+    plan = plan_resume(_async(last=3, checkpoints=(3,), ungenerated=(4, 5), lookahead=2), FRESH)
+    assert plan.restore_from == 0 and plan.replay == (1, 2, 3)
+    assert plan.generate_at == {1: (4,), 2: (5,)}
+
+
+def test_async_replayed_step_lacking_rollouts_moves_the_anchor_back_to_its_version():
+    # step 4 (replayed from checkpoint 3) lacks its rollouts, generated on version 2: checkpoint 2
+    facts = _async(last=4, checkpoints=(2, 3), missing={4: ("rollouts", "rewards")})
+    assert facts.anchor == 2
+    plan = plan_resume(facts, LIVE)
+    assert plan.restore_from == 2 and plan.replay == (3, 4) and plan.generate_at == {2: (4,)}
+
+
+def test_sync_facts_have_no_schedule_effects():
+    facts = _facts(missing={3: ("rollouts",)})
+    assert facts.anchor == 2
+    assert plan_resume(facts, LIVE).generate_at == {2: (3,)}  # sync: generated on step - 1, as before

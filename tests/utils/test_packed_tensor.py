@@ -95,7 +95,7 @@ class SyncRecordingGroup(RecordingGroup):
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return t.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -126,7 +126,7 @@ def metadata(params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[to
     return [(n, (t.shape, t.dtype)) for n, t in params]
 
 
-def round_trip(params, target, legacy=False, prod_buffers=2, cons_buffers=2, sync=False):
+def round_trip(params, target, legacy=False, prod_buffers=2, cons_buffers=2, sync=False, reuse_buffers=False):
     """Send ``params`` through the fakes; returns (received copies, producer group, consumer group)."""
     cls = SyncRecordingGroup if sync else RecordingGroup
     prod = cls(rank=0)
@@ -136,7 +136,8 @@ def round_trip(params, target, legacy=False, prod_buffers=2, cons_buffers=2, syn
     cons = cls(rank=1, sent=prod.sent)
     received: list[tuple[str, torch.Tensor]] = []
     packed_broadcast_consumer(iter(metadata(params)), cons, 0, lambda batch: received.extend((n, t.clone()) for n, t in batch),
-                              buffer_size_bytes=target, num_buffers=cons_buffers, use_legacy_packing=legacy)
+                              buffer_size_bytes=target, num_buffers=cons_buffers, use_legacy_packing=legacy,
+                              reuse_buffers=reuse_buffers)
     assert cons.in_flight == 0 and cons.launched == len(prod.sent)
     return received, prod, cons
 
@@ -194,15 +195,69 @@ def test_legacy_packs_oversized_with_predecessors():
     assert [s.numel() for s in prod_default.sent] == [80, 500, 20]
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reuse"])
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_in_flight_and_buffers_bounded(count):
+def test_in_flight_and_buffers_bounded(count, reuse):
     params = [(f"p{i}", torch.full((16,), float(i))) for i in range(40)]  # 64 B each
-    received, prod, cons = round_trip(params, 128, prod_buffers=count, cons_buffers=count)
+    received, prod, cons = round_trip(params, 128, prod_buffers=count, cons_buffers=count, reuse_buffers=reuse)
     assert_same(params, received)
     assert len(prod.sent) == 20
     for side in (prod, cons):
         assert side.max_in_flight == count  # overlap really happens, and never beyond the bound
+    for side in (prod, cons) if reuse else (prod,):
         assert len(side.storages) <= count  # buffers reused, never more than `count`
+
+
+def _keep_everything(params, target, count, **kwargs) -> list[list[tuple[str, torch.Tensor]]]:
+    """NeMo-RL-style consumer: the callback keeps every batch it is handed, without a copy."""
+    prod = RecordingGroup(rank=0)
+    packed_broadcast_producer(iter(params), prod, 0, lambda item: item[1], buffer_size_bytes=target, num_buffers=count)
+    batches: list[list[tuple[str, torch.Tensor]]] = []
+    packed_broadcast_consumer(iter(metadata(params)), RecordingGroup(rank=1, sent=prod.sent), 0, batches.append,
+                              buffer_size_bytes=target, num_buffers=count, **kwargs)
+    return batches
+
+
+def _storages(batch: list[tuple[str, torch.Tensor]]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for _, t in batch if t.numel()}
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_callback_may_keep_tensors_by_default(count):
+    params = [(f"p{i}", torch.full((4, 4), float(i))) for i in range(10)] + mixed_params(5)
+    batches = _keep_everything(params, 64, count)
+    assert len(batches) > 2 * count  # enough batches that reused buffers would be overwritten
+    round_trip(params, 64, reuse_buffers=True)  # a later refit in this process must not touch them either
+    assert_same(params, [named for batch in batches for named in batch])
+    for i, batch in enumerate(batches):  # no batch shares a receive buffer with another
+        assert all(not _storages(batch) & _storages(other) for other in batches[i + 1 :])
+
+
+def test_reuse_buffers_hands_out_views_that_later_batches_overwrite():
+    params = [(f"p{i}", torch.full((16,), float(i))) for i in range(8)]  # 64 B each: one batch per tensor
+    batches = _keep_everything(params, 64, 2, reuse_buffers=True)
+    kept = [named for batch in batches for named in batch]
+    assert len(set().union(*map(_storages, batches))) <= 2  # zero-copy: two receive buffers, reused
+    assert not torch.equal(kept[0][1], params[0][1])  # as documented: a kept view gets overwritten
+    assert torch.equal(kept[-1][1], params[-1][1])  # the last batch is intact until its buffer's next use
+
+
+def _tiny_views() -> list[tuple[str, torch.Tensor]]:
+    """0- and 1-element views whose stride is not 1 (they still count as contiguous)."""
+    row = torch.arange(7, dtype=torch.float32).reshape(1, 7)
+    return [("row[:, 0]", row[:, 0]), ("empty[:, 0]", torch.zeros(0, 5, dtype=torch.float64)[:, 0]),
+            ("cell", torch.arange(12, dtype=torch.int16).reshape(1, 1, 12)[:, :, 3::5][:, :, :1])]
+
+
+@pytest.mark.parametrize("target", [1, 4, 1 << 10], ids=["alone", "alone-exact", "mixed"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["default", "legacy"])
+def test_tiny_strided_views_round_trip(target, legacy):
+    views = _tiny_views()
+    assert all(t.is_contiguous() and t.stride()[-1] != 1 for _, t in views)
+    for params in ([views[0]], [views[1]], views,
+                   [("flag", torch.tensor([True])), views[0], ("big", torch.ones(300)), views[1], views[2]]):
+        received, _, _ = round_trip(params, target, legacy)
+        assert_same(params, received)
 
 
 def test_empty_iterator_sends_nothing():

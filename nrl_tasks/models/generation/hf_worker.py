@@ -286,8 +286,8 @@ class HfGenerationWorker(GenerationWorkerBase):
                 params[name].copy_(tensor)
                 received += 1
 
-        packed_broadcast_consumer(
-            info.consumer_iter(), self._group, 0, load, buffer_size_bytes=info.buffer_size_bytes
+        packed_broadcast_consumer(  # load() copies every tensor out at once: reuse the buffers
+            info.consumer_iter(), self._group, 0, load, buffer_size_bytes=info.buffer_size_bytes, reuse_buffers=True
         )
         if received != len(info.metadata):
             raise RuntimeError(f"refit received {received} tensors, expected {len(info.metadata)}")

@@ -1,0 +1,91 @@
+"""Cross-section checks of the run config: keys valid alone that do not go together. Called by
+:class:`flows.config.MasterConfig`'s validator; every message names the keys involved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flows.config_bounds import MAX_ROWS
+
+if TYPE_CHECKING:
+    from flows.config import MasterConfig
+
+__all__ = ["combination_errors"]
+
+
+def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
+    """The algorithm menu's combinations (loss, advantages, reward shaping, async GRPO)."""
+    errs: list[str] = []
+    batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if cfg.loss_fn.force_on_policy_ratio and cfg.policy.train_global_batch_size != batch:
+        errs.append(
+            "loss_fn.force_on_policy_ratio needs one optimizer step per rollout batch: policy.train_global_batch_size "
+            f"({cfg.policy.train_global_batch_size}) must equal grpo.num_prompts_per_step * "
+            f"grpo.num_generations_per_prompt ({batch})"
+        )
+    shaping = cfg.grpo.reward_shaping
+    shaping_gen = cfg.generation or getattr(cfg.policy, "generation", None)
+    if shaping.enabled and shaping.max_response_length is None and shaping_gen is not None:
+        if shaping.overlong_buffer_length > shaping_gen.max_new_tokens:
+            errs.append(
+                f"grpo.reward_shaping.overlong_buffer_length ({shaping.overlong_buffer_length}) exceeds "
+                f"generation.max_new_tokens ({shaping_gen.max_new_tokens}), the default max_response_length"
+            )
+    if cfg.loss_fn.use_kl_in_reward and cfg.grpo.adv_estimator.name != "reinforce_plus_plus":
+        errs.append(
+            "loss_fn.use_kl_in_reward needs grpo.adv_estimator.name=reinforce_plus_plus (the estimator that puts the "
+            f"KL into the reward; got {cfg.grpo.adv_estimator.name!r})"
+        )
+    if cfg.grpo.async_grpo.enabled and not cfg.loss_fn.use_importance_sampling_correction:
+        errs.append(
+            "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
+            "older weights than the ones trained)"
+        )
+    return errs
+
+
+def combination_errors(cfg: "MasterConfig") -> list[str]:
+    """Every problem of keys that are valid alone but not together (each message names the keys)."""
+    errs: list[str] = _algorithm_errors(cfg)
+    pol_gen = getattr(cfg.policy, "generation", None)
+    if cfg.generation is None and pol_gen is None:
+        errs.append("generation: missing (set `generation` or `policy.generation`)")
+        return errs
+    if cfg.generation is not None and pol_gen is not None and cfg.generation != pol_gen:
+        errs.append("generation and policy.generation are both set and differ: set only one")
+    gen = cfg.generation or pol_gen
+    b = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+    dp = cfg.cluster.policy_workers
+    if b > MAX_ROWS:
+        errs.append(
+            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
+        )
+    if b % gbs:
+        errs.append(
+            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} is not a multiple of "
+            f"policy.train_global_batch_size = {gbs}"
+        )
+    if gbs % (mbs * dp):
+        errs.append(
+            f"policy.train_global_batch_size = {gbs} is not a multiple of policy.train_micro_batch_size * "
+            f"cluster.policy_workers = {mbs} * {dp}"
+        )
+    if gen.max_new_tokens >= cfg.policy.max_total_sequence_length:
+        errs.append(
+            f"generation.max_new_tokens = {gen.max_new_tokens} leaves no room for the prompt in "
+            f"policy.max_total_sequence_length = {cfg.policy.max_total_sequence_length}"
+        )
+    elif cfg.data.max_input_seq_length is not None and (
+        cfg.data.max_input_seq_length + gen.max_new_tokens > cfg.policy.max_total_sequence_length
+    ):
+        errs.append(
+            f"data.max_input_seq_length + generation.max_new_tokens = "
+            f"{cfg.data.max_input_seq_length + gen.max_new_tokens} exceeds policy.max_total_sequence_length = "
+            f"{cfg.policy.max_total_sequence_length}"
+        )
+    if cfg.grpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
+        errs.append("grpo.val_period > 0 with data.dataset 'file' needs data.val_path")
+    if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
+        errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")
+    return errs
