@@ -89,9 +89,10 @@ def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef, logp
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         groups = inputs["rollouts"]["group_id"]
         r, valid = inputs["rewards"]["rewards"], inputs["rewards"]["reward_valid"]
+        per_token = cfg.grpo.adv_estimator.name == "reinforce_plus_plus"  # GRPO's advantages need no token mask
         out = compute_advantages(
-            groups, r, valid, cfg.grpo, loss_cfg=cfg.loss_fn, token_mask=inputs["rollouts"]["token_mask"],
-            logprobs=inputs.get("logprobs"),
+            groups, r, valid, cfg.grpo, loss_cfg=cfg.loss_fn,
+            token_mask=inputs["rollouts"]["token_mask"] if per_token else None, logprobs=inputs.get("logprobs"),
         )
         mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
         figures = {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].double().abs().mean())}
