@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nrl_tasks.distributed.microbatch_plan import check_cfg
 from nrl_tasks.distributed.sequence_packing import padded_length
+from tests.distributed.test_batched_data_dict_sharding import _dyn, _pack, _restored  # the sharding tests' cfg helpers
 
 ALGORITHMS = ["first_fit_decreasing", "modified_first_fit_decreasing"]
 
@@ -31,25 +32,8 @@ def _rollouts(lengths: list[int], width: int | None = None) -> BatchedDataDict:
     )
 
 
-def _dyn(max_tokens: int, round_to: int = 1) -> dict:
-    return dict(max_tokens_per_microbatch=max_tokens, sequence_length_round=round_to,
-                input_key="input_ids", input_lengths_key="input_lengths")
-
-
-def _pack(capacity: int, algorithm: str = "first_fit_decreasing", multiple: int = 1) -> dict:
-    return dict(max_tokens_per_microbatch=capacity, input_key="input_ids",
-                input_lengths_key="input_lengths", algorithm=algorithm,
-                sequence_length_pad_multiple=multiple)
-
-
 def _cfg_kwarg(kind: str, cfg: dict) -> dict:
     return {"dynamic_batching_cfg" if kind == "dynamic" else "sequence_packing_cfg": cfg}
-
-
-def _restored(shards: list, indices: list[int]) -> BatchedDataDict:
-    merged = BatchedDataDict.from_batches(shards)
-    merged.reorder_data(indices)
-    return merged
 
 
 # ------------------------------------------------------------ 1. 0-row batches with a plan
