@@ -38,6 +38,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
+from nrl_tasks.algorithms.importance_sampling import actor_importance_weights
+from nrl_tasks.algorithms.loss_metrics import mismatch_metrics, ratio_extrema
 from nrl_tasks.algorithms.utils import calculate_kl, masked_mean
 
 __all__ = [
@@ -282,9 +284,6 @@ class ClippedPGLossFn:
         global_valid_seqs: Tensor | float | None,
         global_valid_toks: Tensor | float | None,
     ) -> tuple[Tensor, dict[str, float]]:
-        from nrl_tasks.algorithms.importance_sampling import actor_importance_weights
-        from nrl_tasks.algorithms.loss_metrics import mismatch_metrics, ratio_extrema
-
         cfg = self.cfg
         curr, token_mask, sample_mask, mask, d = _masked_inputs(next_token_logprobs, data, self._keys())
         adv, gen = d["advantages"], d["generation_logprobs"]
