@@ -117,8 +117,7 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     from flows.grpo import resolve_config
     from flows.run_layout import RunLayout, validate_run_id
-    from flows.recompute import check_resume_data, plan_recompute
-    from flows.recompute import parse_recompute
+    from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
     from flows.run_state import check_config_hash
 
     from flows.preflight import preflight
@@ -127,6 +126,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         run_id = validate_run_id(args.run_id)
         cfg = resolve_config(None, args.overrides, args.storage, run_id=run_id)
         specs = parse_recompute(args.recompute)
+        check_recompute_config(specs, cfg)
         layout = RunLayout(cfg.storage.root, run_id)
         check_config_hash(layout, cfg)
         opts = cfg.storage.storage_options or None

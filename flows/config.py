@@ -108,6 +108,17 @@ class GRPOConfig(_Section):
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    use_dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: train only on groups whose rewards differ, generating more "
+        "batches until num_prompts_per_step such groups are found (nrl_tasks.algorithms.dynamic_sampling)",
+    )
+    batch_multiplier: int = Field(
+        1, ge=1, le=1024, description="dynamic sampling: each generation batch draws batch_multiplier * "
+        "num_prompts_per_step prompts; <= 1024",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1, le=1000, description="dynamic sampling: generation batches per step before the step fails; <= 1000",
+    )
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -445,6 +456,9 @@ _HASH_EXCLUDE: dict[str, Any] = {
 _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "adv_estimator"),
     ("grpo", "reward_shaping"),
+    ("grpo", "use_dynamic_sampling"),
+    ("grpo", "batch_multiplier"),
+    ("grpo", "dynamic_sampling_max_gen_batches"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",

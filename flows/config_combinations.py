@@ -41,6 +41,20 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
             "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
             "older weights than the ones trained)"
         )
+    grpo = cfg.grpo
+    if grpo.use_dynamic_sampling and grpo.async_grpo.enabled:
+        errs.append(
+            "grpo.use_dynamic_sampling does not go with grpo.async_grpo.enabled (a step's extra generation batches "
+            "depend on its rewards, which async GRPO has not scored when it submits the next generation)"
+        )
+    if not grpo.use_dynamic_sampling and grpo.batch_multiplier != 1:
+        errs.append(f"grpo.batch_multiplier ({grpo.batch_multiplier}) is only used with grpo.use_dynamic_sampling=true")
+    rows = grpo.batch_multiplier * grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+    if grpo.use_dynamic_sampling and rows > MAX_ROWS:
+        errs.append(
+            f"grpo.batch_multiplier * grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {rows} rollouts "
+            f"per generation batch exceeds {MAX_ROWS}"
+        )
     return errs
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
+    "gen_batch_record_indices",
     "load_prompt_file",
     "load_prompt_records",
     "step_record_indices",
@@ -73,6 +74,18 @@ def step_record_indices(*, num_records: int, step: int, num_prompts: int, seed: 
             perms[epoch] = epoch_permutation(num_records, seed, epoch)
         out.append(perms[epoch][i])
     return out
+
+
+def gen_batch_record_indices(
+    *, num_records: int, step: int, gen_batch: int, num_prompts: int, seed: int, shuffle: bool = True
+) -> list[int]:
+    """Record indices of generation batch ``gen_batch`` of ``step`` (``num_prompts`` of them):
+    batch 0 is the step's block of the run's prompt order, batch ``j >= 1`` a block of a
+    permutation of its own (see deviation 2 in :mod:`nrl_tasks.algorithms.dynamic_sampling`)."""
+    if gen_batch == 0:
+        return step_record_indices(num_records=num_records, step=step, num_prompts=num_prompts, seed=seed, shuffle=shuffle)
+    own = derive_seed(seed, "dynamic_sampling", step)
+    return step_record_indices(num_records=num_records, step=gen_batch, num_prompts=num_prompts, seed=own, shuffle=True)
 
 
 # ----------------------------------------------------------------------------------------------
