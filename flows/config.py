@@ -32,6 +32,7 @@ from flows.config_bounds import (  # the maxima, named (``le=`` below) and check
     MAX_WORKERS, check_delays, value_errors,
 )
 from flows.config_combinations import combination_errors
+from flows.config_dpo import DPOConfig
 from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
 from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
@@ -311,6 +312,7 @@ class MasterConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; flows.config_dpo)")
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
@@ -323,6 +325,11 @@ class MasterConfig(_Section):
     def rollout_batch_size(self) -> int:
         """Rows of one step: ``num_prompts_per_step * num_generations_per_prompt``."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether the run has generation workers (a DPO run has none)."""
+        return self.generation is not None or getattr(self.policy, "generation", None) is not None
 
     @property
     def gen(self) -> GenerationConfig:
@@ -347,7 +354,9 @@ class MasterConfig(_Section):
         from flows.models import resolve_model_path
 
         p = self.policy
-        update: dict[str, Any] = {"model_name": resolve_model_path(p.model_name), "generation": self.generation_config()}
+        update: dict[str, Any] = {  # a DPO run has no generation config
+            "model_name": resolve_model_path(p.model_name), "generation": self.generation_config() if self.has_generation else None,
+        }
         if p.tokenizer.name:
             update["tokenizer"] = p.tokenizer.model_copy(update={"name": resolve_model_path(p.tokenizer.name)})
         return p.model_copy(update=update)
@@ -479,7 +488,9 @@ def config_hash(cfg: MasterConfig) -> str:
         model = getattr(cfg, section)
         if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
             data[section].pop(key)
-    data["generation"] = cfg.gen.model_dump(mode="json")
+    if cfg.dpo is None:  # a GRPO run hashes as before the section existed
+        data.pop("dpo", None)
+    data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

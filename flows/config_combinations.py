@@ -58,8 +58,24 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
     return errs
 
 
+def _dpo_errors(cfg: "MasterConfig") -> list[str]:
+    """A DPO run (``dpo`` set): no generation needed; batch sizes count pairs."""
+    errs = []
+    gbs, mbs, dp = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size, cfg.cluster.policy_workers
+    if gbs % (mbs * dp):
+        errs.append(
+            f"policy.train_global_batch_size = {gbs} pairs is not a multiple of policy.train_micro_batch_size * "
+            f"cluster.policy_workers = {mbs} * {dp}"
+        )
+    if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
+        errs.append("dpo does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
+    return errs
+
+
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
+    if cfg.dpo is not None:
+        return _dpo_errors(cfg)
     errs: list[str] = _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:
