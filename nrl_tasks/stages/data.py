@@ -29,6 +29,7 @@ import torch
 
 __all__ = [
     "check_prompt_lengths",
+    "completion_batch",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
@@ -87,6 +88,19 @@ def gen_batch_record_indices(
     own = derive_seed(seed, "dynamic_sampling", step)
     return step_record_indices(num_records=num_records, step=gen_batch, num_prompts=num_prompts, seed=own, shuffle=True)
 
+
+def completion_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``(prompt tokens, completion tokens)`` rows: ``input_ids [B, S]``,
+    ``input_lengths [B]`` and ``token_mask [B, S]`` (1 on the completion tokens); what the SFT
+    warm start and DPO train on."""
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for k, (p, a) in enumerate(rows):
+        ids[k, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
+        mask[k, len(p): len(p) + len(a)] = 1.0
+    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64)
+    return {"input_ids": ids, "input_lengths": lengths, "token_mask": mask}
 
 # ----------------------------------------------------------------------------------------------
 # reading user files

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.data import _read_rows, derive_seed, format_prompt, load_prompt_records
+from nrl_tasks.stages.data import _read_rows, completion_batch, derive_seed, format_prompt, load_prompt_records
 
 __all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "snapshot_preferences"]
 
@@ -99,16 +99,8 @@ def build_pair_batch(records: list[dict[str, str]], indices: list[int], tokenize
         for field in FIELDS:
             resp = (tokenizer(r[field], add_special_tokens=False)["input_ids"] + [eos])[: max_len - 1]
             rows.append((prompt[max(0, len(prompt) - (max_len - len(resp))):], resp))
-    width = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((len(rows), width), int(pad), dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for k, (p, a) in enumerate(rows):
-        ids[k, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
-        mask[k, len(p): len(p) + len(a)] = 1.0
     return BatchedDataDict({
-        "input_ids": ids,
-        "input_lengths": torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64),
-        "token_mask": mask,
+        **completion_batch(rows, pad),
         "sample_mask": torch.ones(len(rows), dtype=torch.float32),
         "pair_index": torch.arange(len(indices), dtype=torch.int64).repeat_interleave(2),
         "record_index": torch.tensor(indices, dtype=torch.int64).repeat_interleave(2),
