@@ -57,7 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-id", default=None, help="run id (default: grpo-<date>-<time>-<hex>)")
     g.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
-    r = sub.add_parser("resume", help="resume a run from its persisted batches")
+    d = sub.add_parser("dpo", help="start a DPO run (a config with a `dpo` section, e.g. configs/dpo_tiny.yaml)")
+    d.add_argument("--config", required=True, help="YAML config with a `dpo` section")
+    d.add_argument("--storage", default=None, help="storage root: local path, file:// or s3:// (default: config's, ./runs)")
+    d.add_argument("--run-id", default=None, help="run id (default: dpo-<date>-<time>-<hex>)")
+    d.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    r = sub.add_parser("resume", help="resume a run (GRPO or DPO) from its persisted batches")
     r.add_argument("run_id")
     r.add_argument("--storage", default="./runs", help="storage root holding the run (default ./runs)")
     r.add_argument(
@@ -114,11 +120,32 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
     return _run_flow(lambda: grpo(config=args.config, run_id=run_id, overrides=args.overrides, storage=cfg.storage.root), layout)
 
 
+def _cmd_dpo(args: argparse.Namespace) -> int:
+    from flows.config import ConfigError
+    from flows.grpo import new_run_id, resolve_config
+    from flows.run_layout import RunLayout, validate_run_id
+    from storage import fs
+
+    try:
+        run_id = validate_run_id(args.run_id) if args.run_id is not None else new_run_id("dpo")
+        cfg = resolve_config(args.config, args.overrides, args.storage)
+        if cfg.dpo is None:
+            raise ConfigError(f"{args.config}: no `dpo` section (a GRPO config: use `nrl grpo`)")
+        layout = RunLayout(cfg.storage.root, run_id)
+        if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
+            raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"nrl: dpo run {run_id} -> {layout.run_uri}", flush=True)
+    from flows.dpo import dpo
+
+    return _run_flow(lambda: dpo(config=args.config, run_id=run_id, overrides=args.overrides, storage=cfg.storage.root), layout)
+
+
 def _cmd_resume(args: argparse.Namespace) -> int:
     from flows.grpo import resolve_config
     from flows.run_layout import RunLayout, validate_run_id
-    from flows.recompute import check_resume_data, plan_recompute
-    from flows.recompute import parse_recompute
+    from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
     from flows.run_state import check_config_hash
 
     from flows.preflight import preflight
@@ -127,12 +154,16 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         run_id = validate_run_id(args.run_id)
         cfg = resolve_config(None, args.overrides, args.storage, run_id=run_id)
         specs = parse_recompute(args.recompute)
+        check_recompute_config(specs, cfg)
         layout = RunLayout(cfg.storage.root, run_id)
         check_config_hash(layout, cfg)
         opts = cfg.storage.storage_options or None
-        # refused --recompute items and damaged batches: one clear error before anything starts
-        check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
-        preflight(cfg)
+        if cfg.dpo is not None and specs:
+            raise ValueError("--recompute is for GRPO runs; a DPO run recomputes what is not committed by itself")
+        if cfg.dpo is None:
+            # refused --recompute items and damaged batches: one clear error before anything starts
+            check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
+            preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
     from flows.run_lease import live_holder
@@ -147,6 +178,14 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         )
     state = describe_status(read_status(layout, opts) or {})
     print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
+    if cfg.dpo is not None:
+        from flows.dpo import dpo
+
+        return _run_flow(
+            lambda: dpo(config=None, run_id=run_id, resume=True, overrides=args.overrides, storage=cfg.storage.root,
+                        take_over=args.take_over),
+            layout,
+        )
     from flows.grpo import grpo
 
     return _run_flow(
@@ -228,7 +267,9 @@ def _lease_holder(exc: BaseException) -> str | None:
 def print_summary(result: dict, seconds: float) -> None:
     fm = result.get("final_metrics") or {}
     print(f"nrl: run {result['run_id']} finished {result['last_step']} steps in {seconds:.0f} s", flush=True)
-    if fm:
+    if fm and "rewards_margin_mean" in fm:  # a DPO run
+        print(f"nrl:   last step loss {fm.get('loss')}  accuracy {fm.get('accuracy')}  margin {fm.get('rewards_margin_mean')}")
+    elif fm:
         print(f"nrl:   last step reward_mean {fm.get('reward_mean')}  loss {fm.get('loss')}")
     print(f"nrl:   metrics      {result['metrics_uri']}")
     print(f"nrl:   steps        {result['run_uri']}/steps/")
@@ -310,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and not value.strip():
             return _error(f"--{name.replace('_', '-')} is empty")
-    handler = {"grpo": _cmd_grpo, "resume": _cmd_resume, "eval": _cmd_eval, "runs": _cmd_runs}[args.command]
+    handler = {"grpo": _cmd_grpo, "dpo": _cmd_dpo, "resume": _cmd_resume, "eval": _cmd_eval, "runs": _cmd_runs}[args.command]
     return handler(args)
 
 

@@ -32,6 +32,7 @@ from flows.config_bounds import (  # the maxima, named (``le=`` below) and check
     MAX_WORKERS, check_delays, value_errors,
 )
 from flows.config_combinations import combination_errors
+from flows.config_dpo import DPOConfig
 from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
 from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
@@ -108,6 +109,17 @@ class GRPOConfig(_Section):
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    use_dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: train only on groups whose rewards differ, generating more "
+        "batches until num_prompts_per_step such groups are found (nrl_tasks.algorithms.dynamic_sampling)",
+    )
+    batch_multiplier: int = Field(
+        1, ge=1, le=1024, description="dynamic sampling: each generation batch draws batch_multiplier * "
+        "num_prompts_per_step prompts; <= 1024",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1, le=1000, description="dynamic sampling: generation batches per step before the step fails; <= 1000",
+    )
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 
@@ -300,6 +312,7 @@ class MasterConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; flows.config_dpo)")
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
@@ -312,6 +325,11 @@ class MasterConfig(_Section):
     def rollout_batch_size(self) -> int:
         """Rows of one step: ``num_prompts_per_step * num_generations_per_prompt``."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether the run has generation workers (a DPO run has none)."""
+        return self.generation is not None or getattr(self.policy, "generation", None) is not None
 
     @property
     def gen(self) -> GenerationConfig:
@@ -336,7 +354,9 @@ class MasterConfig(_Section):
         from flows.models import resolve_model_path
 
         p = self.policy
-        update: dict[str, Any] = {"model_name": resolve_model_path(p.model_name), "generation": self.generation_config()}
+        update: dict[str, Any] = {  # a DPO run has no generation config
+            "model_name": resolve_model_path(p.model_name), "generation": self.generation_config() if self.has_generation else None,
+        }
         if p.tokenizer.name:
             update["tokenizer"] = p.tokenizer.model_copy(update={"name": resolve_model_path(p.tokenizer.name)})
         return p.model_copy(update=update)
@@ -445,6 +465,9 @@ _HASH_EXCLUDE: dict[str, Any] = {
 _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "adv_estimator"),
     ("grpo", "reward_shaping"),
+    ("grpo", "use_dynamic_sampling"),
+    ("grpo", "batch_multiplier"),
+    ("grpo", "dynamic_sampling_max_gen_batches"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
@@ -465,7 +488,9 @@ def config_hash(cfg: MasterConfig) -> str:
         model = getattr(cfg, section)
         if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
             data[section].pop(key)
-    data["generation"] = cfg.gen.model_dump(mode="json")
+    if cfg.dpo is None:  # a GRPO run hashes as before the section existed
+        data.pop("dpo", None)
+    data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

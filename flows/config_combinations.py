@@ -41,11 +41,41 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
             "grpo.async_grpo.enabled needs loss_fn.use_importance_sampling_correction=true (rollouts come from "
             "older weights than the ones trained)"
         )
+    grpo = cfg.grpo
+    if grpo.use_dynamic_sampling and grpo.async_grpo.enabled:
+        errs.append(
+            "grpo.use_dynamic_sampling does not go with grpo.async_grpo.enabled (a step's extra generation batches "
+            "depend on its rewards, which async GRPO has not scored when it submits the next generation)"
+        )
+    if not grpo.use_dynamic_sampling and grpo.batch_multiplier != 1:
+        errs.append(f"grpo.batch_multiplier ({grpo.batch_multiplier}) is only used with grpo.use_dynamic_sampling=true")
+    rows = grpo.batch_multiplier * grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+    if grpo.use_dynamic_sampling and rows > MAX_ROWS:
+        errs.append(
+            f"grpo.batch_multiplier * grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {rows} rollouts "
+            f"per generation batch exceeds {MAX_ROWS}"
+        )
+    return errs
+
+
+def _dpo_errors(cfg: "MasterConfig") -> list[str]:
+    """A DPO run (``dpo`` set): no generation needed; batch sizes count pairs."""
+    errs = []
+    gbs, mbs, dp = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size, cfg.cluster.policy_workers
+    if gbs % (mbs * dp):
+        errs.append(
+            f"policy.train_global_batch_size = {gbs} pairs is not a multiple of policy.train_micro_batch_size * "
+            f"cluster.policy_workers = {mbs} * {dp}"
+        )
+    if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
+        errs.append("dpo does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
     return errs
 
 
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
+    if cfg.dpo is not None:
+        return _dpo_errors(cfg)
     errs: list[str] = _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:

@@ -44,7 +44,7 @@ from flows.config import MasterConfig, load_config
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
 from flows.preflight import check_reward_fn
-from flows.recompute import apply_recompute, check_resume_data, parse_recompute
+from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
 from flows.step import StepPlan, tag_flow_run
 from flows.run_state import (
@@ -261,6 +261,7 @@ def _train(
     run_id, opts = layout.run_id, cfg.storage.storage_options or None
     chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
     if specs:
+        check_recompute_config(specs, cfg)
         deleted = apply_recompute(layout, specs, opts)
         logger.info("recompute %s: deleted %s", recompute, deleted)
     check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started

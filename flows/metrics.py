@@ -51,6 +51,13 @@ STAGE_SECONDS = {s.name: s.output for s in STAGES}
 STAGE_ATTEMPTS = {s.name: s.output for s in STAGES if s.retried}
 
 
+#: figures of dynamic sampling's step datasets (in the line only when it is on)
+DYNAMIC_SAMPLING_KEYS = (
+    "dynamic_sampling_num_gen_batches", "dynamic_sampling_num_discarded_valid_samples", "dynamic_sampling_zero_std_groups",
+    "unfiltered_reward_mean",
+)
+
+
 def _fs():
     from storage import fs
 
@@ -143,6 +150,10 @@ def build_step_metrics(
     row["is_weight_mean"] = get("train", "is_weight_mean")
     row["is_weight_max"] = get("train", "is_weight_max")
     row["groups_with_signal"] = get("advantages", "groups_with_signal")
+    for key in DYNAMIC_SAMPLING_KEYS:  # grpo.use_dynamic_sampling only
+        value = get("rollouts", key) if key.startswith("dynamic") else get("rewards", key)
+        if value is not None:
+            row[key] = value
     row["new_tokens"] = get("rollouts", "new_tokens")
     row["truncated_frac"] = get("rollouts", "truncated_frac")
     row["tokens_per_s"] = get("rollouts", "tokens_per_s")

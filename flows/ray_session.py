@@ -47,12 +47,13 @@ def check_local_ray_size(cfg: MasterConfig) -> None:
     if not _uses_local_ray(cfg):
         return
     cores = os.cpu_count() or 1
-    actors = cfg.cluster.policy_workers + cfg.gen.num_workers + (1 if cfg.env.reward_model.enabled else 0)
+    gen_workers = cfg.gen.num_workers if cfg.has_generation else 0  # a DPO run has none
+    actors = cfg.cluster.policy_workers + gen_workers + (1 if cfg.env.reward_model.enabled else 0)
     cap = MAX_LOCAL_ACTORS_PER_CORE * cores
     if actors > cap:
         raise ValueError(
             f"a local Ray on this machine ({cores} cores) runs at most {cap} workers; this config asks for {actors} "
-            f"(cluster.policy_workers={cfg.cluster.policy_workers}, generation.num_workers={cfg.gen.num_workers}"
+            f"(cluster.policy_workers={cfg.cluster.policy_workers}, generation.num_workers={gen_workers}"
             f"{', a reward model' if cfg.env.reward_model.enabled else ''}): lower them or set cluster.ray.address"
         )
     if cfg.cluster.ray.num_cpus is not None and cfg.cluster.ray.num_cpus > cap:
@@ -62,7 +63,8 @@ def check_local_ray_size(cfg: MasterConfig) -> None:
 def local_ray_cpus(cfg: MasterConfig) -> int:
     """Logical CPUs for a local Ray: every worker's share, at least the machine's cores."""
     need = cfg.cluster.policy_workers * max(cfg.cluster.num_cpus_per_worker, 0.0)
-    need += cfg.gen.num_workers * max(cfg.gen.num_cpus_per_worker, 0.0)
+    if cfg.has_generation:
+        need += cfg.gen.num_workers * max(cfg.gen.num_cpus_per_worker, 0.0)
     if cfg.env.reward_model.enabled:
         need += 1
     return int(max(os.cpu_count() or 1, need + 1))

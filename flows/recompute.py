@@ -42,6 +42,7 @@ __all__ = [
     "check_resume_data",
     "find_damaged",
     "parse_recompute",
+    "check_recompute_config",
     "plan_recompute",
     "resume_window",
 ]
@@ -92,6 +93,25 @@ class DamagedDataset:
     @property
     def recompute_item(self) -> str:
         return f"{DATASET_STAGE.get(self.dataset, self.dataset)}@{self.step}"
+
+
+#: ``--recompute`` names refused with ``grpo.use_dynamic_sampling``: which groups a step trains on
+#: depends on its rewards, so these would need the step's generation batches recomputed too
+SAMPLED_NAMES = ("prompts", "generate", "rollouts", "score", "rewards")
+
+
+def check_recompute_config(specs: list[tuple[str, int]], cfg: Any) -> None:
+    """``ValueError`` for ``--recompute`` items the run's config does not allow (dynamic sampling:
+    :data:`SAMPLED_NAMES`)."""
+    if not cfg.grpo.use_dynamic_sampling:
+        return
+    bad = [f"{stage}@{step}" for stage, step in specs if stage in SAMPLED_NAMES]
+    if bad:
+        raise ValueError(
+            f"--recompute {', '.join(bad)}: with grpo.use_dynamic_sampling a step's prompts, rollouts and rewards "
+            "are chosen from its generation batches by their rewards; only logprobs, advantages, train and val can "
+            "be recomputed"
+        )
 
 
 def _kw(storage_options: dict[str, Any] | None) -> dict[str, Any]:

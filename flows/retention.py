@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from nrl_tasks.run_layout import RunLayout, join_uri
+from nrl_tasks.run_layout import GEN_BATCHES_DIR, RunLayout, join_uri
 from nrl_tasks.stages.graph import STEP_INPUTS
 
 __all__ = [
@@ -189,7 +189,7 @@ def _step_has_batches(layout: RunLayout, step: int, opts: dict[str, Any] | None)
     if not fs.exists(uri, storage_options=opts):
         return False
     names = {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.list_dir(uri, storage_options=opts)}
-    return any(s in names for s in PRUNABLE_STAGES)
+    return any(s in names for s in (*PRUNABLE_STAGES, GEN_BATCHES_DIR))
 
 
 def delete_step_batches(layout: RunLayout, step: int, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -205,6 +205,16 @@ def delete_step_batches(layout: RunLayout, step: int, storage_options: dict[str,
             storage.delete_batch(uri, **kw)
             fs.remove(uri, recursive=True, storage_options=storage_options)  # stray leftovers too
             out.append(uri)
+    gen_batches = layout.gen_batches_uri(step)  # dynamic sampling's generation batches
+    if fs.exists(gen_batches, storage_options=storage_options):
+        for entry in sorted(fs.list_dir(gen_batches, storage_options=storage_options)):
+            batch_dir = entry.rstrip("/").rsplit("/", 1)[-1]
+            for stage in ("rollouts", "rewards", "prompts"):
+                uri = join_uri(gen_batches, batch_dir, stage)
+                if fs.exists(uri, storage_options=storage_options):
+                    storage.delete_batch(uri, **kw)
+        fs.remove(gen_batches, recursive=True, storage_options=storage_options)
+        out.append(gen_batches)
     return out
 
 

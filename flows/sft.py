@@ -30,7 +30,7 @@ __all__ = ["build_sft_batch", "sft"]
 def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any, max_len: int) -> Any:
     """``input_ids, input_lengths, token_mask, sample_mask`` for prompt + ``" answer"`` + EOS."""
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-    from nrl_tasks.stages.data import format_prompt
+    from nrl_tasks.stages.data import completion_batch, format_prompt
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -39,16 +39,7 @@ def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any
         p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
         a = tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] + [eos]
         rows.append((p[-(max_len - len(a)) :], a))
-    width = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((len(rows), width), int(pad), dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (p, a) in enumerate(rows):
-        ids[i, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
-        mask[i, len(p) : len(p) + len(a)] = 1.0
-    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64)
-    return BatchedDataDict(
-        {"input_ids": ids, "input_lengths": lengths, "token_mask": mask, "sample_mask": torch.ones(len(rows))}
-    )
+    return BatchedDataDict({**completion_batch(rows, pad), "sample_mask": torch.ones(len(rows))})
 
 
 @task(name="sft-train", task_run_name="sft-{run.run_id}-step{step}", **TASK_DEFAULTS)

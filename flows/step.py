@@ -5,6 +5,8 @@
     prompts = prompts(ctx)
     rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
     rewards = score(ctx, rollouts)
+    # (grpo.use_dynamic_sampling: generation batches until enough groups have reward variance,
+    #  then the step's prompts, rollouts and rewards from them: :func:`sampled_stages`)
     logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
     advantages = advantages(ctx, rollouts, rewards)
     trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
@@ -34,6 +36,7 @@ from flows.metrics import build_step_metrics, format_console_line, upsert_metric
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.dynamic_sampling import dynamic_sampling, sampled_refs
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.generate import generate, prompts
 from nrl_tasks.stages.logprob import logprob, logprob_needed
@@ -42,7 +45,7 @@ from nrl_tasks.stages.refs import DatasetRef, StepRefs
 from nrl_tasks.stages.score import score
 from nrl_tasks.stages.train import train
 
-__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step"]
+__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step", "sampled_stages"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +66,38 @@ def data_stages(ctx: StepContext, weights_version: int, *, generation_version: i
     ``logprob`` on the policy at ``weights_version``, ``generate`` on ``generation_version``
     (default: the same; async GRPO generates on an older one)."""
     c = quote(ctx)
-    prompt_ref = prompts(c)
-    rollouts = generate(c, prompt_ref, weights_version if generation_version is None else generation_version)
-    rewards = score(c, rollouts)
+    version = weights_version if generation_version is None else generation_version
+    if ctx.cfg.grpo.use_dynamic_sampling:
+        sampled = sampled_stages(ctx, version)
+        prompt_ref, rollouts, rewards = sampled["prompts"], sampled["rollouts"], sampled["rewards"]
+    else:
+        prompt_ref = prompts(c)
+        rollouts = generate(c, prompt_ref, version)
+        rewards = score(c, rollouts)
     logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
     advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
     return {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs}
+
+
+def sampled_stages(ctx: StepContext, version: int) -> dict[str, DatasetRef]:
+    """DAPO's dynamic sampling (:mod:`nrl_tasks.stages.dynamic_sampling`): generation batches
+    until ``grpo.num_prompts_per_step`` groups have reward variance (at most
+    ``grpo.dynamic_sampling_max_gen_batches``), then the step's prompts, rollouts and rewards."""
+    done = sampled_refs(ctx)
+    if done is not None:
+        return done
+    grpo = ctx.cfg.grpo
+    batches: list[tuple[DatasetRef, DatasetRef, DatasetRef]] = []
+    found = 0
+    while found < grpo.num_prompts_per_step and len(batches) < grpo.dynamic_sampling_max_gen_batches:
+        g = quote(ctx.gen_batch_ctx(len(batches)))
+        p = prompts(g)
+        r = generate(g, p, version)
+        s = score(g, r)
+        batches.append((p, r, s))
+        found += int(s.get("groups_with_signal") or 0)
+    ps, rs, ss = (list(x) for x in zip(*batches))
+    return dynamic_sampling(quote(ctx), ps, rs, ss)
 
 
 def _step_run_name() -> str:

@@ -75,6 +75,10 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+#: a step's subdirectory holding its generation batches (dynamic sampling)
+GEN_BATCHES_DIR = "gen_batches"
+
+
 def step_dir(step: int) -> str:
     """``step_000007`` for step 7."""
     if step < 0:
@@ -131,6 +135,17 @@ class RunLayout:
         if not stage or "/" in stage:
             raise ValueError(f"invalid stage name {stage!r}")
         return join_uri(self.step_uri(step), stage)
+
+    def gen_batches_uri(self, step: int) -> str:
+        """Directory of ``step``'s generation batches (dynamic sampling)."""
+        return join_uri(self.step_uri(step), GEN_BATCHES_DIR)
+
+    def gen_batch_uri(self, step: int, gen_batch: int, stage: str) -> str:
+        """Dataset URI of ``stage`` in generation batch ``gen_batch`` of ``step`` (dynamic sampling:
+        ``steps/step_000007/gen_batches/001/rollouts``)."""
+        if not stage or "/" in stage:
+            raise ValueError(f"invalid stage name {stage!r}")
+        return join_uri(self.gen_batches_uri(step), f"{int(gen_batch):03d}", stage)
 
     @property
     def checkpoints_uri(self) -> str:

@@ -152,16 +152,35 @@ class StepContext:
 
     A plain slotted object (not a dataclass): Prefect records it as ``<StepContext>`` when it is
     a flow parameter instead of trying to serialise the run's actors and config.
+
+    ``gen_batch`` (dynamic sampling): the ``prompts``/``generate``/``score`` stages of generation
+    batch ``j`` of the step run on ``ctx.gen_batch_ctx(j)``, whose datasets live under
+    ``steps/step_N/gen_batches/<j>/`` (:meth:`uri`); ``None`` for the step itself.
     """
 
-    __slots__ = ("run", "step")
+    __slots__ = ("gen_batch", "run", "step")
 
-    def __init__(self, run: RunContext, step: int) -> None:
+    def __init__(self, run: RunContext, step: int, gen_batch: int | None = None) -> None:
         self.run = run
         self.step = int(step)
+        self.gen_batch = None if gen_batch is None else int(gen_batch)
 
     def __repr__(self) -> str:
-        return f"StepContext(run_id={self.run.run_id!r}, step={self.step})"
+        extra = "" if self.gen_batch is None else f", gen_batch={self.gen_batch}"
+        return f"StepContext(run_id={self.run.run_id!r}, step={self.step}{extra})"
+
+    @property
+    def label(self) -> str:
+        """``step7``, or ``step7-gb1`` for generation batch 1 (task run names)."""
+        return f"step{self.step}" if self.gen_batch is None else f"step{self.step}-gb{self.gen_batch}"
+
+    def gen_batch_ctx(self, gen_batch: int) -> StepContext:
+        """The context of generation batch ``gen_batch`` of this step."""
+        return StepContext(self.run, self.step, gen_batch)
+
+    def attempt_key(self, stage: str) -> str:
+        """Key of ``stage`` in the run's attempt counts (a generation batch counts apart)."""
+        return stage if self.gen_batch is None else f"{stage}@gb{self.gen_batch}"
 
     @property
     def run_id(self) -> str:
@@ -192,7 +211,9 @@ class StepContext:
         return self.run.storage_kw
 
     def uri(self, dataset: str) -> str:
-        """URI of ``dataset`` of this step."""
+        """URI of ``dataset`` of this step (of its generation batch, if this is one)."""
+        if self.gen_batch is not None:
+            return self.run.layout.gen_batch_uri(self.step, self.gen_batch, dataset)
         return self.run.layout.stage_uri(self.step, dataset)
 
     def at(self, step: int) -> StepContext:

@@ -29,9 +29,11 @@ import torch
 
 __all__ = [
     "check_prompt_lengths",
+    "completion_batch",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
+    "gen_batch_record_indices",
     "load_prompt_file",
     "load_prompt_records",
     "step_record_indices",
@@ -74,6 +76,31 @@ def step_record_indices(*, num_records: int, step: int, num_prompts: int, seed: 
         out.append(perms[epoch][i])
     return out
 
+
+def gen_batch_record_indices(
+    *, num_records: int, step: int, gen_batch: int, num_prompts: int, seed: int, shuffle: bool = True
+) -> list[int]:
+    """Record indices of generation batch ``gen_batch`` of ``step`` (``num_prompts`` of them):
+    batch 0 is the step's block of the run's prompt order, batch ``j >= 1`` a block of a
+    permutation of its own (see deviation 2 in :mod:`nrl_tasks.algorithms.dynamic_sampling`)."""
+    if gen_batch == 0:
+        return step_record_indices(num_records=num_records, step=step, num_prompts=num_prompts, seed=seed, shuffle=shuffle)
+    own = derive_seed(seed, "dynamic_sampling", step)
+    return step_record_indices(num_records=num_records, step=gen_batch, num_prompts=num_prompts, seed=own, shuffle=True)
+
+
+def completion_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``(prompt tokens, completion tokens)`` rows: ``input_ids [B, S]``,
+    ``input_lengths [B]`` and ``token_mask [B, S]`` (1 on the completion tokens); what the SFT
+    warm start and DPO train on."""
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for k, (p, a) in enumerate(rows):
+        ids[k, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
+        mask[k, len(p): len(p) + len(a)] = 1.0
+    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64)
+    return {"input_ids": ids, "input_lengths": lengths, "token_mask": mask}
 
 # ----------------------------------------------------------------------------------------------
 # reading user files

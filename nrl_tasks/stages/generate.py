@@ -24,7 +24,7 @@ from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.data import derive_seed, format_prompt, step_record_indices, tokenize_prompts
+from nrl_tasks.stages.data import derive_seed, format_prompt, gen_batch_record_indices, step_record_indices, tokenize_prompts
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.schedule import StepSchedule
@@ -56,11 +56,20 @@ def build_prompt_batch(
     tokenizer: Any,
     max_prompt_tokens: int,
     seed_stage: str = "generate",
+    gen_batch: int | None = None,
 ) -> BatchedDataDict:
-    """The step's prompt batch, each prompt repeated ``num_generations`` times (adjacent)."""
-    idx = step_record_indices(
-        num_records=len(records), step=step, num_prompts=num_prompts, seed=seed, shuffle=data_cfg.shuffle
-    )
+    """The step's prompt batch, each prompt repeated ``num_generations`` times (adjacent); with
+    ``gen_batch`` the prompts of that generation batch of the step (dynamic sampling)."""
+    if gen_batch is None:
+        idx = step_record_indices(
+            num_records=len(records), step=step, num_prompts=num_prompts, seed=seed, shuffle=data_cfg.shuffle
+        )
+    else:
+        idx = gen_batch_record_indices(
+            num_records=len(records), step=step, gen_batch=gen_batch, num_prompts=num_prompts, seed=seed,
+            shuffle=data_cfg.shuffle,
+        )
+        seed_stage = seed_stage if gen_batch == 0 else f"{seed_stage}-gb{gen_batch}"
     chosen = [records[i] for i in idx]
     texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in chosen]
     input_ids, lengths = tokenize_prompts(
@@ -124,16 +133,21 @@ def generation_input(prompt_batch: BatchedDataDict) -> BatchedDataDict:
     )
 
 
-@task(name="prompts", task_run_name="prompts-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
+@task(name="prompts", task_run_name="prompts-{ctx.run_id}-{ctx.label}", **TASK_DEFAULTS)
 def prompts(ctx: StepContext) -> DatasetRef:
-    """Draw and tokenise the step's prompts from the run's train snapshot; persist ``prompts``."""
+    """Draw and tokenise the step's prompts from the run's train snapshot; persist ``prompts``.
+
+    On a generation batch's context (dynamic sampling) it draws that batch's
+    ``grpo.batch_multiplier * grpo.num_prompts_per_step`` prompts."""
     cfg = ctx.cfg
+    multiplier = 1 if ctx.gen_batch is None else cfg.grpo.batch_multiplier
 
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         batch = build_prompt_batch(
             ctx.run.records("train"),
             step=ctx.step,
-            num_prompts=cfg.grpo.num_prompts_per_step,
+            gen_batch=ctx.gen_batch,
+            num_prompts=multiplier * cfg.grpo.num_prompts_per_step,
             num_generations=cfg.grpo.num_generations_per_prompt,
             seed=cfg.grpo.seed,
             data_cfg=cfg.data,
@@ -145,7 +159,7 @@ def prompts(ctx: StepContext) -> DatasetRef:
     return run_stage(ctx, "prompts", compute)
 
 
-@task(name="generate", task_run_name="generate-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
+@task(name="generate", task_run_name="generate-{ctx.run_id}-{ctx.label}", **TASK_DEFAULTS)
 def generate(ctx: StepContext, prompts: DatasetRef, weights_version: int) -> DatasetRef:
     """Sample ``num_generations`` responses per prompt on weights ``weights_version``; persist ``rollouts``.
 

@@ -155,10 +155,11 @@ def run_stage(
     run = ctx.run
     output = output or stage_spec(name).output  # validate passes its own ("val")
     uri = ctx.uri(output)
-    done = committed_ref(uri, run.storage_options, attempts=run.attempts.get((ctx.step, name), 0))
+    key = ctx.attempt_key(name)
+    done = committed_ref(uri, run.storage_options, attempts=run.attempts.get((ctx.step, key), 0))
     if done is not None:
         return done
-    attempt = run.count_attempt(ctx.step, name)
+    attempt = run.count_attempt(ctx.step, key)
     try:
         ctx.emit(name, "start")
         timer = StageTimer()

@@ -10,7 +10,8 @@ the run.
 Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool. With
 ``grpo.reward_shaping.enabled`` (DAPO's soft overlong punishment,
 :mod:`nrl_tasks.algorithms.reward_shaping`) ``rewards`` holds the shaped reward and
-``task_rewards [B]`` the environment's.
+``task_rewards [B]`` the environment's. On a generation batch of dynamic sampling the manifest
+also counts ``groups_with_signal`` (groups whose rewards differ).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def compute_rewards(
     return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
 
 
-@task(name="score", task_run_name="score-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
+@task(name="score", task_run_name="score-{ctx.run_id}-{ctx.label}", **TASK_DEFAULTS)
 def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
     """Score the step's rollouts; persist ``rewards``."""
 
@@ -91,6 +92,10 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
                                    shaping.overlong_buffer_penalty)
             out = {"rewards": torch.where(valid, rewards + pen, rewards), "reward_valid": valid, "task_rewards": rewards}
             shaped = {"overlong_penalty_mean": float(pen.double().mean()), "overlong_frac": float((pen < 0).double().mean())}
+        if ctx.gen_batch is not None:  # dynamic sampling: the flow samples more while too few groups qualify
+            from nrl_tasks.algorithms.dynamic_sampling import groups_with_signal
+
+            shaped["groups_with_signal"] = len(groups_with_signal(out["rewards"], valid, inputs["rollouts"]["group_id"]))
         return BatchedDataDict(out), {**shaped,
             # float64: a mean of float32 rewards near float32's max must not overflow to inf
             "reward_mean": float(rewards[valid].double().mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward

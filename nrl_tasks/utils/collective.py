@@ -141,11 +141,9 @@ class BroadcastGroup:
         world_size: int,
         timeout_s: float,
         backend: str,
-        listen_socket: socket.socket | None = None,
     ) -> None:
         self._pg = pg
         self._store = store
-        self._listen_socket = listen_socket
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -202,10 +200,7 @@ class BroadcastGroup:
         except Exception:  # pragma: no cover - best effort during teardown
             pass
         self._pg = None
-        self._store = None
-        if self._listen_socket is not None:
-            self._listen_socket.close()
-            self._listen_socket = None
+        self._store = None  # the store owns (and closes) its listening socket
 
     def __enter__(self) -> BroadcastGroup:
         return self
@@ -281,25 +276,27 @@ def create_broadcast_group(
     listen_socket = _listen(host, port) if rank == 0 else None
     try:
         if rank == 0:
+            # The store takes ownership of the descriptor it is given and closes it when it is
+            # destroyed, so it gets a duplicate; ours is closed as soon as the store exists.
+            # (Closing the same descriptor twice raced with its reuse: EBADF at close.)
             store = dist.TCPStore(
                 host, port, world_size, True, timeout,
-                wait_for_workers=False, master_listen_fd=listen_socket.fileno(),
+                wait_for_workers=False, master_listen_fd=os.dup(listen_socket.fileno()),
             )
         else:
             store = dist.TCPStore(host, port, world_size, False, timeout)
         pg = _make_backend(backend, store, rank, world_size, host, timeout)
     except ValueError:
-        if listen_socket is not None:
-            listen_socket.close()
         raise
     except Exception as exc:
-        if listen_socket is not None:
-            listen_socket.close()
         err = _wrap_error(exc, f"rendezvous of {where} did not complete")
         if not isinstance(err, CollectiveTimeoutError) and "connect" in str(exc).lower():
             err = CollectiveTimeoutError(str(err))
         raise err from exc
-    return BroadcastGroup(pg, store, rank, world_size, float(timeout_s), backend, listen_socket)
+    finally:
+        if listen_socket is not None:
+            listen_socket.close()
+    return BroadcastGroup(pg, store, rank, world_size, float(timeout_s), backend)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -51,3 +51,29 @@ def test_flow_refuses_a_reward_fn_that_does_not_import_before_anything_starts(tm
     with pytest.raises(ValueError, match="env.reward_fn: .*no_such_module"):
         grpo.fn(config=TINY_CONFIG, run_id="bad-reward", storage=str(root), overrides=["env.reward_fn=no_such_module:f"])
     assert not (root / "bad-reward").exists()  # no run directory, no lease, no Ray
+
+
+def test_dynamic_sampling_keys_and_their_combinations():
+    assert config_hash(load_config(TINY_CONFIG, ["grpo.dynamic_sampling_max_gen_batches=10"])) == "d694865e842f5e20"
+    cfg = load_config(TINY_CONFIG, ["grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=3"])
+    assert cfg.grpo.batch_multiplier == 3 and config_hash(cfg) != "d694865e842f5e20"
+    with pytest.raises(ConfigError) as ei:
+        load_config(TINY_CONFIG, ["grpo.batch_multiplier=2"])
+    assert "grpo.batch_multiplier" in str(ei.value) and "grpo.use_dynamic_sampling" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load_config(TINY_CONFIG, [
+            "grpo.use_dynamic_sampling=true", "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+        ])
+    assert "grpo.use_dynamic_sampling" in str(ei.value) and "grpo.async_grpo.enabled" in str(ei.value)
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_gen_batches"):
+        load_config(TINY_CONFIG, ["grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=0"])
+
+
+def test_recompute_of_sampled_datasets_is_refused_with_dynamic_sampling():
+    from flows.recompute import check_recompute_config
+
+    cfg = load_config(TINY_CONFIG, ["grpo.use_dynamic_sampling=true"])
+    with pytest.raises(ValueError, match=r"--recompute rewards@2.*grpo.use_dynamic_sampling"):
+        check_recompute_config([("logprobs", 1), ("rewards", 2)], cfg)
+    check_recompute_config([("logprobs", 1), ("advantages", 2)], cfg)
+    check_recompute_config([("rewards", 2)], load_config(TINY_CONFIG))

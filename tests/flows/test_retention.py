@@ -311,3 +311,19 @@ def test_holds_and_retention_on_s3(moto_s3):
     assert apply_retention(lay, pol, last_trained=4, storage_options=opts)["deleted_checkpoints"] == [2]
     assert [s for s, _ in list_checkpoints(lay.checkpoints_uri, opts)] == [4]
     assert list_holds(lay, storage_options=opts) == []
+
+
+def test_dynamic_sampling_generation_batches_go_with_their_step(tmp_path):
+    import storage
+
+    from flows.retention import delete_step_batches
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+
+    lay = _fake_run(str(tmp_path), "r-ds", steps=2, ck_steps=[], val={})
+    for j in range(2):
+        for stage in ("prompts", "rollouts", "rewards"):
+            storage.save_batch(BatchedDataDict({"x": torch.zeros(2)}), lay.gen_batch_uri(1, j, stage))
+    deleted = delete_step_batches(lay, 1)
+    assert lay.gen_batches_uri(1) in deleted
+    assert not os.path.exists(lay.gen_batches_uri(1))
+    assert storage.is_committed(lay.stage_uri(1, "train"))

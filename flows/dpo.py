@@ -1,0 +1,187 @@
+"""``nrl dpo``: Direct Preference Optimization on preference pairs, as a Prefect flow.
+
+A config with a ``dpo`` section (:mod:`flows.config_dpo`) is a DPO run. Each step::
+
+    pairs = preference_pairs(ctx)                  # nrl_tasks.stages.dpo
+    reference = reference_logprobs(ctx, pairs)
+    trained = dpo_train(ctx, pairs, reference)
+    checkpoint(ctx, trained)                       # every checkpointing.save_period steps, and the last
+
+then its ``metrics.jsonl`` line (loss, accuracy, reward margin, chosen/rejected rewards, grad
+norm, stage seconds), console line and artifacts (the metrics table, progress), as for GRPO. The
+run keeps GRPO's layout, ``config.yaml`` and hash check, lease and ``status.json``, so ``nrl runs``
+lists it and ``nrl resume`` continues it.
+
+**Resume** (``resume=True``): the trained prefix ``T`` is the last step before the first one
+without a committed ``train``; the anchor is the newest checkpoint at or before ``T`` whose files
+check out (else the initial weights). The policy is created fresh, restored from the anchor, and
+steps ``anchor+1 .. T`` are replayed from their persisted ``pairs`` and ``reference``, each checked
+against its recorded weights checksum; the run then goes on at ``T + 1`` (stages whose outputs
+are committed skip). DPO draws nothing at random, so the resumed run's weights equal the
+uninterrupted run's bit for bit.
+
+Left out (a GRPO run has them): in-run recovery from actor faults (an actor fault fails the
+run; resume continues it), retention, validation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+
+from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
+from flows.config import MasterConfig
+from flows.grpo import new_run_id, resolve_config
+from flows.metrics import read_metrics, upsert_metrics
+from flows.plugins import load_observers
+from flows.run_lease import check_fence, hold_run_lease
+from flows.run_state import init_run, trained_prefix, write_status
+from flows.runtime import build_run_context, ray_connected, recreate_policy, setup_runtime, shutdown_local_ray
+from nrl_tasks.run_layout import RunLayout, validate_run_id
+from nrl_tasks.stages.context import RunContext
+
+__all__ = ["dpo", "dpo_metrics_line", "restore_dpo_run"]
+
+#: ``train`` figures in the metrics line
+TRAIN_KEYS = ("loss", "accuracy", "rewards_margin_mean", "rewards_chosen_mean", "rewards_rejected_mean",
+              "preference_loss", "sft_loss", "grad_norm", "train_seconds")
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"dpo-{(flow_run.parameters or {}).get('run_id') or 'new'}"
+
+
+def dpo_metrics_line(step: int, refs: dict[str, Any], checkpoint: Any, wall_s: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` line of DPO step ``step`` from its stage references."""
+    train = refs["train"]
+    row: dict[str, Any] = {"step": step, "weights_version": step, **{k: train.get(k) for k in TRAIN_KEYS}}
+    row["pairs_s"], row["reference_s"], row["train_s"] = (refs[d].seconds for d in ("pairs", "reference", "train"))
+    row["train_attempts"] = train.attempts
+    if checkpoint is not None and not checkpoint.skipped:
+        row["checkpoint_s"] = checkpoint.seconds
+    row["step_s"] = wall_s
+    return row
+
+
+def restore_dpo_run(run: RunContext, log: Any) -> dict[str, Any]:
+    """Bring the fresh policy to the run's trained prefix (see the module docstring):
+    ``{"last": T, "restored_from": checkpoint URI or "initial", "replayed": [steps]}``."""
+    from nrl_tasks.stages.checkpoint import list_checkpoints, restore_checkpoint
+    from nrl_tasks.stages.checkpoint_files import check_checkpoint
+    from nrl_tasks.stages.dpo import replay_dpo_train
+
+    layout, opts = run.layout, run.storage_options
+    last = trained_prefix(layout, max_step=run.cfg.dpo.max_num_steps, storage_options=opts)
+    anchor = 0
+    for step, uri in reversed(list_checkpoints(layout.checkpoints_uri, opts)):
+        if step <= last and check_checkpoint(uri, opts) is None:
+            restore_checkpoint(run.policy, uri, opts, verify=False)
+            anchor = step
+            break
+    replayed = list(range(anchor + 1, last + 1))
+    for step in replayed:
+        replay_dpo_train(run, step)
+    restored = layout.checkpoint_uri(anchor) if anchor else "initial"
+    if last:
+        log.info("resumed at trained step %d: restored %s, replayed %s", last, restored, replayed or "nothing")
+    return {"last": last, "restored_from": restored, "replayed": replayed}
+
+
+def _run_steps(run: RunContext, chash: str, lease: Any, log: Any) -> dict[str, Any]:
+    from nrl_tasks.stages.checkpoint import checkpoint
+    from nrl_tasks.stages.dpo import dpo_train, preference_pairs, reference_logprobs
+
+    cfg, layout, opts = run.cfg, run.layout, run.storage_options
+    total, period = cfg.dpo.max_num_steps, cfg.checkpointing.save_period
+    restored = restore_dpo_run(run, log)
+    last = restored["last"]
+    publisher, progress = BackgroundPublisher(), ProgressHandle(run.run_id)
+    have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
+    try:
+        for step in range(max(1, last), total + 1):
+            check_fence(lease)
+            t0, c = time.perf_counter(), quote(run.step(step))
+            pairs = preference_pairs(c)
+            reference = reference_logprobs(c, pairs)
+            trained = dpo_train(c, pairs, reference)
+            due = cfg.checkpointing.enabled and (step % period == 0 or step == total)
+            ck = checkpoint(c, trained, chash) if due else None
+            if step > last or step not in have_lines:  # the last trained step's line may be missing
+                row = dpo_metrics_line(step, {"pairs": pairs, "reference": reference, "train": trained}, ck,
+                                       time.perf_counter() - t0)
+                rows = upsert_metrics(layout.metrics_uri, row, opts)
+                line = (f"[{run.run_id}] dpo step {step}/{total} loss {row['loss']:.4f} accuracy {row['accuracy']:.3f} "
+                        f"margin {row['rewards_margin_mean']:.4f} | step {row['step_s']:.2f}s")
+                log.info(line)
+                if cfg.logger.console:
+                    print(line, flush=True)
+                if cfg.logger.artifacts:
+                    publisher.submit(publish_metrics_table, run.run_id, rows)
+                    publisher.submit(progress.update, step, total)
+    finally:
+        publisher.close()
+    return {"first_step": last + 1, "restored": {k: v for k, v in restored.items() if k != "last"}}
+
+
+@flow(name="dpo", flow_run_name=_flow_run_name, validate_parameters=False, persist_result=False)
+def dpo(
+    config: str | dict | MasterConfig | None = None,
+    run_id: str | None = None,
+    resume: bool = False,
+    overrides: list[str] | None = None,
+    storage: str | None = None,
+    take_over: bool = False,
+) -> dict[str, Any]:
+    """Train with DPO (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
+    "last_step", "checkpoints", "final_metrics", "first_step", "restored"}`` (``restored``: where the
+    weights came from and the steps replayed)."""
+    from prefect.runtime import flow_run
+
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+    from nrl_tasks.stages.preferences import snapshot_preferences
+
+    log = get_run_logger()
+    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None)
+    if cfg.dpo is None:
+        raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
+    run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
+    layout, opts = RunLayout(cfg.storage.root, run_id), cfg.storage.storage_options or None
+    fid = str(flow_run.id) if flow_run.id else None
+    lease = hold_run_lease(layout, opts, fid, take_over=take_over)
+    own_ray = not ray_connected()
+    keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
+    rt = None
+    try:
+        chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
+        pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
+        write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.dpo.max_num_steps,
+                     config_hash=chash, error=None, algorithm="dpo")
+        log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri, chash, len(pairs), resume)
+        rt = setup_runtime(cfg, run_id, with_actors=False)
+        if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
+            recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
+        run = build_run_context(cfg, run_id, rt, rt.tokenizer, load_observers(), records={"preferences": pairs})
+        info = _run_steps(run, chash, lease, log)
+        write_status(layout, opts, status="completed", last_step=cfg.dpo.max_num_steps, restored=info["restored"])
+    except BaseException as exc:
+        try:
+            write_status(layout, opts, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
+            log.warning("could not record the run's end in status.json: %s", status_exc)
+        raise
+    finally:
+        if rt is not None and not keep:
+            rt.shutdown()
+        if own_ray and not keep:
+            shutdown_local_ray(run_id)
+        lease.release()
+    rows = read_metrics(layout.metrics_uri, opts)
+    return {"run_id": run_id, "run_uri": layout.run_uri, "metrics_uri": layout.metrics_uri, "last_step": cfg.dpo.max_num_steps,
+            "checkpoints": [u for _, u in list_checkpoints(layout.checkpoints_uri, opts)],
+            "final_metrics": rows[-1] if rows else None, **info}

@@ -1,0 +1,107 @@
+"""Preference pairs for DPO: reading them, the run's frozen copy, and the pair batch of a step.
+
+**Sources.** ``data.dataset: file``: ``data.train_path`` (JSONL, Parquet or Arrow, local or S3)
+with a ``prompt`` (``data.prompt_key``), a ``chosen`` and a ``rejected`` response per row, each a
+non-empty string; errors name the file, the row (and the line) and the field. ``data.dataset:
+arithmetic``: the built-in task's train prompts, chosen ``" <right answer>"``, rejected
+``" <answer + d>"`` with ``d`` in ``{-3..-1, 1..3}`` drawn from ``(seed, row)``. The responses are
+appended to the formatted prompt as they are (a file that wants a space says so).
+
+**Snapshot.** The first run of a DPO run freezes its pairs at ``<run>/data/preferences`` (an Arrow
+dataset); every later step and every resume reads that copy, so editing the source file never
+changes a run.
+
+**Pair batch** (rows interleaved: ``2i`` chosen, ``2i + 1`` rejected, same prompt):
+``input_ids [2P, S]``, ``input_lengths [2P]``, ``token_mask [2P, S]`` (1 on response tokens and
+the EOS that ends them), ``sample_mask [2P]``, ``pair_index [2P]`` (pair within the step),
+``record_index [2P]`` (row of the snapshot). A pair longer than ``policy.max_total_sequence_length``
+loses prompt tokens from the left first, then response tokens from the right.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.stages.data import _read_rows, completion_batch, derive_seed, format_prompt, load_prompt_records
+
+__all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "snapshot_preferences"]
+
+FIELDS = ("chosen", "rejected")
+
+
+def load_preference_file(path: str, *, prompt_key: str = "prompt", storage_options: dict[str, Any] | None = None
+                         ) -> list[dict[str, str]]:
+    """``[{"prompt", "chosen", "rejected"}]`` from a preference file (see the module docstring)."""
+    rows, where = _read_rows(path, storage_options)
+    if not rows:
+        raise ValueError(f"preference file {path!r} holds no rows")
+    out = []
+    for row, at in zip(rows, where):
+        rec = {}
+        for key, name in ((prompt_key, "prompt"), *((f, f) for f in FIELDS)):
+            if key not in row:
+                raise ValueError(f"preference file {path!r} {at}: missing field {key!r}; fields: {sorted(map(str, row))[:10]}")
+            value = row[key]
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"preference file {path!r} {at}: field {key!r} must be a non-empty string, got {value!r:.60}")
+            rec[name] = value
+        if rec["chosen"] == rec["rejected"]:
+            raise ValueError(f"preference file {path!r} {at}: 'chosen' and 'rejected' are the same text")
+        out.append(rec)
+    return out
+
+
+def builtin_preferences(data_cfg: Any, seed: int) -> list[dict[str, str]]:
+    """Pairs on the built-in arithmetic task's train prompts (see the module docstring)."""
+    out = []
+    for i, r in enumerate(load_prompt_records(data_cfg, "train", seed)):
+        rng = random.Random(derive_seed(seed, "dpo-rejected", i))
+        wrong = int(r["answer"]) + rng.choice((-3, -2, -1, 1, 2, 3))
+        out.append({"prompt": r["prompt"], "chosen": f" {r['answer']}", "rejected": f" {wrong}"})
+    return out
+
+
+def snapshot_preferences(layout: Any, cfg: Any, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """The run's frozen pairs at ``<run>/data/preferences``: read back when committed, else loaded
+    from the configured source and saved."""
+    import storage
+
+    from nrl_tasks.run_layout import join_uri
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    uri = join_uri(layout.run_uri, "data", "preferences")
+    keys = ("prompt", *FIELDS)
+    if storage.is_committed(uri, **kw):
+        b = storage.load_batch(uri, **kw)
+        return [dict(zip(keys, vals)) for vals in zip(*(b[k] for k in keys))]
+    if cfg.data.dataset == "file":
+        recs = load_preference_file(cfg.data.train_path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
+    else:
+        recs = builtin_preferences(cfg.data, cfg.dpo.seed)
+    storage.save_batch(BatchedDataDict({k: [r[k] for r in recs] for k in keys}), uri, **kw,
+                       run_id=layout.run_id, stage="data-preferences", step=0)
+    return recs
+
+
+def build_pair_batch(records: list[dict[str, str]], indices: list[int], tokenizer: Any, data_cfg: Any, max_len: int
+                     ) -> BatchedDataDict:
+    """The interleaved pair batch of records ``indices`` (see the module docstring)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    rows: list[tuple[list[int], list[int]]] = []
+    for i in indices:
+        r = records[i]
+        prompt = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
+        for field in FIELDS:
+            resp = (tokenizer(r[field], add_special_tokens=False)["input_ids"] + [eos])[: max_len - 1]
+            rows.append((prompt[max(0, len(prompt) - (max_len - len(resp))):], resp))
+    return BatchedDataDict({
+        **completion_batch(rows, pad),
+        "sample_mask": torch.ones(len(rows), dtype=torch.float32),
+        "pair_index": torch.arange(len(indices), dtype=torch.int64).repeat_interleave(2),
+        "record_index": torch.tensor(indices, dtype=torch.int64).repeat_interleave(2),
+    })

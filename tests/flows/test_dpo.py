@@ -1,0 +1,152 @@
+"""``nrl dpo`` through the real flow (tiny model on Ray, real Prefect runs, Arrow on disk) on a
+small preference set written here: 16 arithmetic pairs (chosen: the sum, rejected: the sum + 1),
+8 pairs a step, 8 steps, checkpoints at 3, 6 and 8.
+
+Checked: the chosen-vs-rejected margin rises; every step persists its pairs, reference logprobs
+and train metrics and the metrics line carries them; the flow SIGKILLed in the middle of step 5's
+update and resumed with ``nrl resume`` ends with the uninterrupted run's weights at every step (a
+replay of step 4 from checkpoint 3 included); bad preference files are clear errors naming the
+file, line and field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+import yaml
+
+from tests.faults.helpers import run_nrl, train_checksum
+from tests.fixtures.grpo_runs import REPO, kill_run_actors
+
+RUN_ID = "dpo-tiny"
+STEPS = tuple(range(1, 9))
+
+
+def _pairs_file(path) -> str:
+    rows = [{"prompt": f"{a}+{b}=", "chosen": f" {a + b}", "rejected": f" {a + b + 1}"} for a in range(4) for b in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _config(tmp_path, model_dir: str, root: str, ray_address: str | None) -> dict:
+    with open(os.path.join(REPO, "configs", "dpo_tiny.yaml"), encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    cfg["dpo"]["max_num_steps"] = 8
+    cfg["policy"]["model_name"] = model_dir
+    cfg["data"] = {"train_path": _pairs_file(tmp_path / "pairs.jsonl")}
+    cfg["checkpointing"]["save_period"] = 3
+    cfg["storage"]["root"] = root
+    cfg.setdefault("cluster", {}).setdefault("ray", {})["address"] = ray_address
+    cfg.setdefault("logger", {})["console"] = False
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def dpo_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
+    from flows.dpo import dpo
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    root = str(tmp / "runs")
+    cfg = _config(tmp, tiny_model_dir, root, ray_session)
+    try:
+        out = dpo(config=cfg, run_id=RUN_ID)
+    finally:
+        kill_run_actors(RUN_ID)
+    return {"root": root, "out": out, "tmp": tmp}
+
+
+def test_margin_rises_and_every_step_is_persisted(dpo_run):
+    import storage
+    from flows.metrics import read_metrics
+
+    root = dpo_run["root"]
+    rows = read_metrics(os.path.join(root, RUN_ID, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(STEPS)
+    margins = [r["rewards_margin_mean"] for r in rows]
+    assert margins[0] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert sum(margins[-3:]) / 3 > sum(margins[:3]) / 3 + 0.05, margins
+    assert rows[-1]["accuracy"] >= 0.75, rows[-1]
+    for s in STEPS:
+        d = os.path.join(root, RUN_ID, "steps", f"step_{s:06d}")
+        pairs = storage.load_batch(os.path.join(d, "pairs"))
+        ref = storage.load_batch(os.path.join(d, "reference"))
+        assert pairs.size == 16 and torch.equal(pairs["pair_index"], torch.arange(8).repeat_interleave(2))
+        assert ref["reference_policy_logprobs"].shape == pairs["input_ids"].shape
+        assert storage.read_manifest(os.path.join(d, "train")).meta["weights_checksum"]
+    assert [os.path.basename(c) for c in dpo_run["out"]["checkpoints"]] == ["step_000003", "step_000006", "step_000008"]
+    with open(os.path.join(root, RUN_ID, "status.json"), encoding="utf-8") as fh:
+        assert json.load(fh)["status"] == "completed"
+
+
+def test_killed_mid_update_then_resumed_is_bit_identical(dpo_run, tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    root = str(tmp_path / "runs")
+    cfg_path = tmp_path / "dpo.yaml"
+    cfg_path.write_text(yaml.safe_dump(_config(tmp_path, tiny_model_dir, root, ray_session)))
+    run_id = "dpo-kill"
+    try:
+        p = run_nrl(["dpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness, kill_at="dpo_train@5:during")
+        assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
+        kill_run_actors(run_id)
+        p = run_nrl(["resume", run_id, "--storage", root], prefect_harness)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    finally:
+        kill_run_actors(run_id)
+    with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
+        status = json.load(fh)
+    assert status["status"] == "completed"
+    assert status["restored"] == {"restored_from": os.path.join(root, run_id, "checkpoints", "step_000003"), "replayed": [4]}
+    ref = dpo_run["root"]
+    assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
+    from flows.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(os.path.join(root, run_id, "metrics.jsonl"))] == list(STEPS)
+
+
+def test_bad_preference_files_name_the_file_line_and_field(tmp_path):
+    from nrl_tasks.stages.preferences import load_preference_file
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl.*line 2.*missing field 'rejected'"):
+        load_preference_file(str(f))
+    f.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 2"}\n')
+    with pytest.raises(ValueError, match=r"line 1.*same text"):
+        load_preference_file(str(f))
+    f.write_text('{"prompt": "1+1=", "chosen": "", "rejected": " 2"}\n')
+    with pytest.raises(ValueError, match=r"line 1, row 0: field 'chosen' must be a non-empty string"):
+        load_preference_file(str(f))
+
+
+def test_pair_batch_interleaves_and_masks_the_responses(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from flows.config import load_config
+    from nrl_tasks.stages.preferences import build_pair_batch
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = load_config(os.path.join(REPO, "configs", "dpo_tiny.yaml"))
+    recs = [{"prompt": "1+2=", "chosen": " 3", "rejected": " 44"}, {"prompt": "2+2=", "chosen": " 4", "rejected": " 5"}]
+    b = build_pair_batch(recs, [1, 0], tok, cfg.data, 64)
+    assert torch.equal(b["record_index"], torch.tensor([1, 1, 0, 0]))
+    for row, (rec, field) in enumerate([(recs[1], "chosen"), (recs[1], "rejected"), (recs[0], "chosen"), (recs[0], "rejected")]):
+        resp = tok(rec[field], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        n = int(b["input_lengths"][row])
+        assert b["input_ids"][row, n - len(resp): n].tolist() == resp
+        assert b["token_mask"][row].nonzero().flatten().tolist() == list(range(n - len(resp), n))
+    # max length 4: " 44" + EOS (4 tokens) keeps its first 3, after the prompt's last token
+    short = build_pair_batch(recs, [0], tok, cfg.data, 4)
+    prompt = tok("1+2=", add_special_tokens=False)["input_ids"]
+    resp = tok(" 44", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert len(resp) == 4 and short["input_ids"][1].tolist() == [prompt[-1], *resp[:3]]
+    assert short["token_mask"][1].tolist() == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_cli_refuses_a_grpo_config_for_dpo(capsys, tmp_path):
+    from flows.cli import main
+
+    assert main(["dpo", "--config", os.path.join(REPO, "configs", "grpo_tiny.yaml"), "--storage", str(tmp_path)]) == 2
+    assert "no `dpo` section" in capsys.readouterr().err
