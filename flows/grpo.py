@@ -22,8 +22,11 @@ With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
 (:mod:`flows.async_steps`: the generation of later steps overlaps the policy's work, on weights
 versions fixed by the step; same recovery, retries, metrics and retention).
 
-Per step: one line in ``metrics.jsonl``, a Prefect table artifact of all lines, a progress
-artifact, a markdown artifact with the best and worst rollouts, a console line.
+Per step: one line in ``metrics.jsonl``, the run summary artifact (:mod:`flows.run_summary`), the
+progress artifact, one INFO log line (Prefect's per-run "Finished in state Completed()" lines are
+filtered: :mod:`flows.quiet_logs`) and a console line; at checkpoint steps and the last step also
+the metrics-table artifact (newest lines first) and the best and worst rollouts (bounded per step:
+:mod:`flows.artifacts`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import MasterConfig, load_config
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
+from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
@@ -248,7 +252,8 @@ def grpo(
     fid = str(flow_run.id) if flow_run.id else None
     lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
     try:
-        return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
+        with quiet_lifecycle_logs(cfg.logger.log_level):  # the step line stands out (flows.quiet_logs)
+            return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
     finally:
         lease.release()
 
