@@ -35,13 +35,14 @@ from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
+from flows.crash_cleanup import mark_orphans_crashed
 from flows.grpo import new_run_id, resolve_config
 from flows.metrics import read_metrics, upsert_metrics
 from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_summary import metrics_window
-from flows.run_state import init_run, trained_prefix, write_status
+from flows.run_state import init_run, read_status, trained_prefix, write_status
 from flows.runtime import build_run_context, ray_connected, recreate_policy, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext
@@ -163,6 +164,9 @@ def dpo(
     try:
         chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
         pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
+        previous = read_status(layout, opts) or {}
+        if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+            mark_orphans_crashed(previous.get("flow_run_id"), fid, log)
         write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.dpo.max_num_steps,
                      config_hash=chash, error=None, algorithm="dpo")
         log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri, chash, len(pairs), resume)

@@ -44,6 +44,7 @@ from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import MasterConfig, load_config
+from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs
@@ -271,6 +272,9 @@ def _train(
         logger.info("recompute %s: deleted %s", recompute, deleted)
     check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
     previous = read_status(layout, opts) or {}
+    resuming = resume or bool(previous.get("status"))  # a `prefect flow-run retry` resumes too
+    if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+        mark_orphans_crashed(previous.get("flow_run_id"), fid, logger)
     reaped = reap_local_ray(previous)  # a crashed earlier flow's local Ray
     if reaped:
         logger.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
@@ -281,7 +285,7 @@ def _train(
         layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash,
         error=None, flow_process=current_process(), local_ray=None, prefect_server=ephemeral_prefect_servers(),
     )
-    logger.info("run %s at %s (config hash %s, resume=%s)", run_id, layout.run_uri, chash, resume)
+    logger.info("%s run %s at %s (config hash %s)", "resuming" if resuming else "starting", run_id, layout.run_uri, chash)
     keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
     own_ray = not ray_connected()  # a local Ray started by this flow is stopped when it ends, failed or not
 
