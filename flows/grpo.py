@@ -43,7 +43,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
-from flows.config import MasterConfig, load_config
+from flows.config import ConfigError, MasterConfig, changed_keys, load_config
 from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
@@ -106,6 +106,27 @@ def resolve_config(
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": storage})})
     root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None, create=not resuming)
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": root})})
+
+
+def resume_config(config: Any, overrides: list[str] | None, storage: str | None, run_id: str, log: Any) -> MasterConfig:
+    """The config a resume runs: the run's saved ``config.yaml`` with ``overrides`` applied.
+
+    A ``config`` passed as well (a deployment always sends its default) is ignored with a warning
+    when it resolves to the same result-affecting settings; one that would change them is refused
+    (``ConfigError`` naming the keys): a run keeps the config it was created with."""
+    saved = resolve_config(None, overrides, storage, run_id=run_id)
+    if config is None:
+        return saved
+    given = resolve_config(config, overrides, storage or saved.storage.root)
+    changed = changed_keys(saved, given)
+    if changed:
+        raise ConfigError(
+            f"resume of run {run_id!r}: the config parameter changes the run's saved config in {', '.join(changed[:12])}"
+            f"{' ...' if len(changed) > 12 else ''}; resume without it (the run's config.yaml is used, with the overrides)"
+        )
+    log.warning("resume of run %s: the config parameter is ignored; the run's saved config.yaml is used (with the "
+                "overrides %s)", run_id, list(overrides or []))
+    return saved
 
 
 def _flow_run_name() -> str:
@@ -234,15 +255,29 @@ def grpo(
     recompute: list[str] | None = None,
     take_over: bool = False,
 ) -> dict[str, Any]:
-    """Train with GRPO. ``config``: YAML path, dict or ``MasterConfig``; ``overrides``: ``key=value``.
+    """Train with GRPO.
 
     The flow holds the run's lease (:mod:`flows.run_lease`) from before its first write to its
-    end; ``take_over``: take it from a live-looking holder (one on a machine that died).
-    Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
+    end. Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
+
+    Args:
+        config: YAML config path (e.g. configs/grpo_tiny.yaml), a dict or a MasterConfig. Ignored
+            (with a warning) when resuming: the run keeps its saved config.yaml; refused if it
+            would change the run's result-affecting settings.
+        run_id: the run's id (default: a new one); with resume, the run to continue.
+        resume: continue the run from its persisted batches and checkpoints (e.g. extend a
+            finished run with overrides=["grpo.max_num_steps=70"]).
+        overrides: dotted key=value overrides, e.g. ["grpo.max_num_steps=70", "policy.optimizer.kwargs.lr=1e-5"].
+        storage: storage root holding the runs: a local path, file:// or s3://bucket/prefix.
+        recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
+        take_over: take the run's lease from a holder that looks live but is gone (its machine died).
     """
     from prefect.runtime import flow_run
 
-    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None)
+    if resume and run_id:
+        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
+    else:
+        cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
     if specs and not resume:
