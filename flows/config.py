@@ -294,6 +294,8 @@ class LoggerConfig(_Section):
     artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")
     num_rollouts_to_show: int = Field(4, ge=0, le=1024, description="best and worst rollouts in the markdown artifact")
     weights_checksum: bool = Field(True, description="record the policy weights checksum after each train")
+    tensorboard_enabled: bool = Field(False, description="TensorBoard event files of every metrics line (flows.trackers)")
+    log_dir: str = Field("logs", description="trackers' local directory: <log_dir>/<run_id>/tensorboard")
     step_subflows: bool = Field(
         True,
         description="group each step as a Prefect subflow run <run_id>-step-0007 (off: the step's tasks run "

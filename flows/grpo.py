@@ -43,7 +43,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
-from flows.config import ConfigError, MasterConfig, changed_keys, load_config
+from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml, load_config
 from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
@@ -60,6 +60,7 @@ from flows.run_state import (
     trained_prefix,
     write_status,
 )
+from flows.trackers import open_trackers
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
@@ -187,7 +188,10 @@ def run_grpo_steps(
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
     progress = ProgressHandle(run.run_id)
     publisher = BackgroundPublisher()
-    have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
+    lines = read_metrics(layout.metrics_uri, opts)
+    have_lines = {int(r["step"]) for r in lines}
+    trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.trackers: curves, resumed in place
+    publisher.submit(trackers.sync, lines)  # what a crash kept from them
     # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
     step_fn = grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
@@ -202,13 +206,14 @@ def run_grpo_steps(
             step_wall = run_async_steps(
                 run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), trained=last,
                 budget=budget, fence=fence,
-                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, **k),
+                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, trackers=trackers, **k),
                 # a resume may need the checkpoint at or before version step - age (the steps
                 # generated ahead on older weights): retention keeps what that resume reads
                 after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
             )
         finally:
             publisher.close()
+            trackers.close()
         return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
                 "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
@@ -225,12 +230,14 @@ def run_grpo_steps(
             refs = run_step(run, step, call, budget, log=logger)
             if refs.flow_run_id:
                 publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
-            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)
+            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress,
+                         trackers=trackers)
             apply_retention(layout, retention, step, opts, pruned=pruned)
             if step > last:
                 step_wall.append(time.perf_counter() - t0)
     finally:
         publisher.close()
+        trackers.close()
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall,
             "loop_s": time.perf_counter() - loop_t0}
 

@@ -35,6 +35,7 @@ from flows.artifacts import (
     BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
 )
 from flows.run_summary import metrics_window, summary_markdown
+from flows.trackers import TrackerSet
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
@@ -169,9 +170,11 @@ def publish_step(
     publisher: BackgroundPublisher | None = None,
     progress: ProgressHandle | None = None,
     extra: dict[str, Any] | None = None,
+    trackers: TrackerSet | None = None,
 ) -> dict[str, Any] | None:
     """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
-    added to it), console line and artifacts (published in the background by ``publisher``)."""
+    added to it), console line, artifacts and tracker curves (:mod:`flows.trackers`), the last two
+    published in the background by ``publisher``."""
     import storage
 
     run, cfg = ctx.run, ctx.cfg
@@ -189,6 +192,8 @@ def publish_step(
             row["logprob_skipped"] = True  # nothing reads them (loss_fn.force_on_policy_ratio, no KL)
         row.update(extra or {})
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
+        if trackers is not None and publisher is not None:
+            publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None:
             publisher.submit(_publish_summary, run, rows, plan.max_steps)
             if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
