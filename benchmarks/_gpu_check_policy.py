@@ -14,8 +14,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,8 @@ from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.workers.logprobs import padded_forward_logprobs
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
 from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
-from nrl_tasks.utils.collective import find_free_port
 
 #: Max abs logprob difference to the CPU float32 reference: full forward / KV-cache generation.
 LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
@@ -127,23 +125,9 @@ def policy_config(case: ModelCase, precision: str, profiler_dir: Path) -> Policy
     )
 
 
-@contextlib.contextmanager
-def policy_worker(cfg: PolicyConfig) -> Iterator[PolicyWorker]:
+def policy_worker(cfg: PolicyConfig) -> contextlib.AbstractContextManager[PolicyWorker]:
     """A set-up one-rank ``PolicyWorker``; process-wide torch settings it changes are restored."""
-    threads = torch.get_num_threads()
-    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    worker = PolicyWorker(cfg.model_dump(mode="json"), None)
-    try:
-        worker.setup("127.0.0.1", find_free_port())
-        yield worker
-    finally:
-        worker.shutdown()
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(det, warn_only=warn)
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
+    return in_process_worker(cfg)
 
 
 def release_memory() -> None:
