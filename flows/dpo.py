@@ -35,11 +35,14 @@ from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
+from flows.crash_cleanup import mark_orphans_crashed
 from flows.grpo import new_run_id, resolve_config
 from flows.metrics import read_metrics, upsert_metrics
 from flows.plugins import load_observers
+from flows.quiet_logs import quiet_lifecycle_logs
 from flows.run_lease import check_fence, hold_run_lease
-from flows.run_state import init_run, trained_prefix, write_status
+from flows.run_summary import metrics_window
+from flows.run_state import init_run, read_status, trained_prefix, write_status
 from flows.runtime import build_run_context, ray_connected, recreate_policy, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext
@@ -122,7 +125,8 @@ def _run_steps(run: RunContext, chash: str, lease: Any, log: Any) -> dict[str, A
                 if cfg.logger.console:
                     print(line, flush=True)
                 if cfg.logger.artifacts:
-                    publisher.submit(publish_metrics_table, run.run_id, rows)
+                    if due or step == total:  # bounded: the newest lines, at checkpoints and the end
+                        publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
                     publisher.submit(progress.update, step, total)
     finally:
         publisher.close()
@@ -160,6 +164,9 @@ def dpo(
     try:
         chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
         pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
+        previous = read_status(layout, opts) or {}
+        if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+            mark_orphans_crashed(previous.get("flow_run_id"), fid, log)
         write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.dpo.max_num_steps,
                      config_hash=chash, error=None, algorithm="dpo")
         log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri, chash, len(pairs), resume)
@@ -167,7 +174,8 @@ def dpo(
         if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
             recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
         run = build_run_context(cfg, run_id, rt, rt.tokenizer, load_observers(), records={"preferences": pairs})
-        info = _run_steps(run, chash, lease, log)
+        with quiet_lifecycle_logs(cfg.logger.log_level):
+            info = _run_steps(run, chash, lease, log)
         write_status(layout, opts, status="completed", last_step=cfg.dpo.max_num_steps, restored=info["restored"])
     except BaseException as exc:
         try:

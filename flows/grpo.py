@@ -22,8 +22,11 @@ With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
 (:mod:`flows.async_steps`: the generation of later steps overlaps the policy's work, on weights
 versions fixed by the step; same recovery, retries, metrics and retention).
 
-Per step: one line in ``metrics.jsonl``, a Prefect table artifact of all lines, a progress
-artifact, a markdown artifact with the best and worst rollouts, a console line.
+Per step: one line in ``metrics.jsonl``, the run summary artifact (:mod:`flows.run_summary`), the
+progress artifact, one INFO log line (Prefect's per-run "Finished in state Completed()" lines are
+filtered: :mod:`flows.quiet_logs`) and a console line; at checkpoint steps and the last step also
+the metrics-table artifact (newest lines first) and the best and worst rollouts (bounded per step:
+:mod:`flows.artifacts`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
-from flows.config import MasterConfig, load_config
+from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml, load_config
+from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
+from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
@@ -55,6 +60,7 @@ from flows.run_state import (
     trained_prefix,
     write_status,
 )
+from flows.trackers import open_trackers
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
@@ -101,6 +107,27 @@ def resolve_config(
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": storage})})
     root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None, create=not resuming)
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": root})})
+
+
+def resume_config(config: Any, overrides: list[str] | None, storage: str | None, run_id: str, log: Any) -> MasterConfig:
+    """The config a resume runs: the run's saved ``config.yaml`` with ``overrides`` applied.
+
+    A ``config`` passed as well (a deployment always sends its default) is ignored with a warning
+    when it resolves to the same result-affecting settings; one that would change them is refused
+    (``ConfigError`` naming the keys): a run keeps the config it was created with."""
+    saved = resolve_config(None, overrides, storage, run_id=run_id)
+    if config is None:
+        return saved
+    given = resolve_config(config, overrides, storage or saved.storage.root)
+    changed = changed_keys(saved, given)
+    if changed:
+        raise ConfigError(
+            f"resume of run {run_id!r}: the config parameter changes the run's saved config in {', '.join(changed[:12])}"
+            f"{' ...' if len(changed) > 12 else ''}; resume without it (the run's config.yaml is used, with the overrides)"
+        )
+    log.warning("resume of run %s: the config parameter is ignored; the run's saved config.yaml is used (with the "
+                "overrides %s)", run_id, list(overrides or []))
+    return saved
 
 
 def _flow_run_name() -> str:
@@ -161,7 +188,10 @@ def run_grpo_steps(
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
     progress = ProgressHandle(run.run_id)
     publisher = BackgroundPublisher()
-    have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
+    lines = read_metrics(layout.metrics_uri, opts)
+    have_lines = {int(r["step"]) for r in lines}
+    trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.trackers: curves, resumed in place
+    publisher.submit(trackers.sync, lines)  # what a crash kept from them
     # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
     step_fn = grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
@@ -176,13 +206,14 @@ def run_grpo_steps(
             step_wall = run_async_steps(
                 run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), trained=last,
                 budget=budget, fence=fence,
-                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, **k),
+                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, trackers=trackers, **k),
                 # a resume may need the checkpoint at or before version step - age (the steps
                 # generated ahead on older weights): retention keeps what that resume reads
                 after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
             )
         finally:
             publisher.close()
+            trackers.close()
         return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
                 "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
@@ -199,12 +230,14 @@ def run_grpo_steps(
             refs = run_step(run, step, call, budget, log=logger)
             if refs.flow_run_id:
                 publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
-            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress)
+            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress,
+                         trackers=trackers)
             apply_retention(layout, retention, step, opts, pruned=pruned)
             if step > last:
                 step_wall.append(time.perf_counter() - t0)
     finally:
         publisher.close()
+        trackers.close()
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall,
             "loop_s": time.perf_counter() - loop_t0}
 
@@ -229,15 +262,29 @@ def grpo(
     recompute: list[str] | None = None,
     take_over: bool = False,
 ) -> dict[str, Any]:
-    """Train with GRPO. ``config``: YAML path, dict or ``MasterConfig``; ``overrides``: ``key=value``.
+    """Train with GRPO.
 
     The flow holds the run's lease (:mod:`flows.run_lease`) from before its first write to its
-    end; ``take_over``: take it from a live-looking holder (one on a machine that died).
-    Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
+    end. Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
+
+    Args:
+        config: YAML config path (e.g. configs/grpo_tiny.yaml), a dict or a MasterConfig. Ignored
+            (with a warning) when resuming: the run keeps its saved config.yaml; refused if it
+            would change the run's result-affecting settings.
+        run_id: the run's id (default: a new one); with resume, the run to continue.
+        resume: continue the run from its persisted batches and checkpoints (e.g. extend a
+            finished run with overrides=["grpo.max_num_steps=70"]).
+        overrides: dotted key=value overrides, e.g. ["grpo.max_num_steps=70", "policy.optimizer.kwargs.lr=1e-5"].
+        storage: storage root holding the runs: a local path, file:// or s3://bucket/prefix.
+        recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
+        take_over: take the run's lease from a holder that looks live but is gone (its machine died).
     """
     from prefect.runtime import flow_run
 
-    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None)
+    if resume and run_id:
+        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
+    else:
+        cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
     if specs and not resume:
@@ -248,7 +295,8 @@ def grpo(
     fid = str(flow_run.id) if flow_run.id else None
     lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
     try:
-        return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
+        with quiet_lifecycle_logs(cfg.logger.log_level):  # the step line stands out (flows.quiet_logs)
+            return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
     finally:
         lease.release()
 
@@ -266,6 +314,9 @@ def _train(
         logger.info("recompute %s: deleted %s", recompute, deleted)
     check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
     previous = read_status(layout, opts) or {}
+    resuming = resume or bool(previous.get("status"))  # a `prefect flow-run retry` resumes too
+    if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+        mark_orphans_crashed(previous.get("flow_run_id"), fid, logger)
     reaped = reap_local_ray(previous)  # a crashed earlier flow's local Ray
     if reaped:
         logger.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
@@ -276,7 +327,7 @@ def _train(
         layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash,
         error=None, flow_process=current_process(), local_ray=None, prefect_server=ephemeral_prefect_servers(),
     )
-    logger.info("run %s at %s (config hash %s, resume=%s)", run_id, layout.run_uri, chash, resume)
+    logger.info("%s run %s at %s (config hash %s)", "resuming" if resuming else "starting", run_id, layout.run_uri, chash)
     keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
     own_ray = not ray_connected()  # a local Ray started by this flow is stopped when it ends, failed or not
 

@@ -91,14 +91,29 @@ def check_config_hash(layout: RunLayout, cfg: MasterConfig) -> str:
     h = config_hash(cfg)
     if not fs.exists(layout.config_uri, storage_options=opts):
         raise ConfigError(f"cannot resume run {layout.run_id!r}: no {layout.config_uri} (nothing to resume)")
-    saved = saved_config_hash(fs.read_text(layout.config_uri, storage_options=opts), layout.config_uri)
+    text = fs.read_text(layout.config_uri, storage_options=opts)
+    saved = saved_config_hash(text, layout.config_uri)
     if saved != h:
         raise ConfigError(
             f"config hash mismatch for run {layout.run_id!r}: the run was created with {saved}, "
-            f"this config hashes to {h}; resume with the run's own config.yaml "
+            f"this config hashes to {h}{_changed(text, cfg, layout.config_uri)}; resume with the run's own config.yaml "
             "(only storage, logger, cluster.ray, grpo.max_num_steps, grpo.refit and checkpoint cadence may change)"
         )
     return h
+
+
+def _changed(saved_text: str, cfg: MasterConfig, source: str) -> str:
+    """``" (changed: a.b, c.d)"``: the keys ``cfg`` changes against a saved config text ("" if unknown)."""
+    from flows.config import changed_keys, load_config
+    from flows.config_io import load_yaml_text
+
+    try:
+        data = load_yaml_text(saved_text, source)
+        data.pop("config_hash", None)
+        keys = changed_keys(load_config(data), cfg)
+    except (ValueError, TypeError):  # a saved config of an older layout: the hashes say enough
+        return ""
+    return f" (changed: {', '.join(keys[:12])}{' ...' if len(keys) > 12 else ''})" if keys else ""
 
 
 def trained_prefix(layout: RunLayout, max_step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:

@@ -31,7 +31,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, rollouts_markdown
+from flows.artifacts import (
+    BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
+)
+from flows.run_summary import metrics_window, summary_markdown
+from flows.trackers import TrackerSet
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
 from nrl_tasks.stages.checkpoint import checkpoint
@@ -128,6 +132,16 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
 
 
+def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int) -> None:
+    """Build and publish the run summary (in the publisher's thread: it lists the checkpoints)."""
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+
+    ck = run.cfg.checkpointing
+    md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
+                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better)
+    publish_summary(run.run_id, md)
+
+
 def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
     """Tag a flow run (the run's, or a step's subflow) ``run:<run_id>`` after it started.
 
@@ -156,9 +170,11 @@ def publish_step(
     publisher: BackgroundPublisher | None = None,
     progress: ProgressHandle | None = None,
     extra: dict[str, Any] | None = None,
+    trackers: TrackerSet | None = None,
 ) -> dict[str, Any] | None:
     """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
-    added to it), console line and artifacts (published in the background by ``publisher``)."""
+    added to it), console line, artifacts and tracker curves (:mod:`flows.trackers`), the last two
+    published in the background by ``publisher``."""
     import storage
 
     run, cfg = ctx.run, ctx.cfg
@@ -176,13 +192,17 @@ def publish_step(
             row["logprob_skipped"] = True  # nothing reads them (loss_fn.force_on_policy_ratio, no KL)
         row.update(extra or {})
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
+        if trackers is not None and publisher is not None:
+            publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None:
-            publisher.submit(publish_metrics_table, run.run_id, rows)
-            n = cfg.logger.num_rollouts_to_show
-            if n > 0:
-                r = storage.load_batch(ctx.uri("rollouts"), columns=["prompt", "response", "answer"], **ctx.storage_kw)
-                md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n)
-                publisher.submit(publish_rollouts, run.run_id, md)
+            publisher.submit(_publish_summary, run, rows, plan.max_steps)
+            if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
+                publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
+                n = cfg.logger.num_rollouts_to_show
+                if n > 0:
+                    r = storage.load_batch(ctx.uri("rollouts"), columns=["prompt", "response", "answer"], **ctx.storage_kw)
+                    md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n)
+                    publisher.submit(publish_rollouts, run.run_id, md)
         line = format_console_line(run.run_id, row, plan.max_steps)
         get_run_logger().info(line)
         if cfg.logger.console:

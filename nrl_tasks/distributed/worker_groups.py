@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Callable
+from typing import Any, Sequence, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,21 @@ def _ray():
 
 _ENV_KWARG = "_nrl_worker_env"
 #: Concurrency group (one thread) of every actor made from a plain class: methods marked
-#: ``@ray.method(concurrency_group=CONTROL_GROUP)`` (e.g. a status query) answer while the
-#: default group is busy with a long call.
+#: ``@ray.method(concurrency_group=CONTROL_GROUP)`` (or :func:`control_method`; e.g. a status
+#: query) answer while the default group is busy with a long call.
 CONTROL_GROUP = "control"
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def control_method(method: _Method) -> _Method:
+    """``@ray.method(concurrency_group=CONTROL_GROUP)`` when Ray is installed; otherwise the
+    method unchanged, so an actor class still imports and runs in a process without Ray."""
+    try:
+        import ray
+    except ImportError:
+        return method
+    return ray.method(concurrency_group=CONTROL_GROUP)(method)
 
 
 def _with_env(cls: type) -> type:

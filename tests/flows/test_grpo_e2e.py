@@ -83,7 +83,7 @@ def test_prefect_state_and_artifacts(e2e_run):
         runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=RUN_ID)))
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in runs]}), limit=200)
         arts = {}
-        for kind in ("metrics", "progress", "rollouts"):
+        for kind in ("metrics", "progress", "rollouts", "summary"):
             arts[kind] = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(RUN_ID, kind)])), limit=50
             )
@@ -106,10 +106,13 @@ def test_prefect_state_and_artifacts(e2e_run):
         (t.name, t.state.type) for t in tasks if not t.state.is_completed()]
     step2 = {r.name: r for r in runs}
     assert step2[f"{RUN_ID}-step-0002"].state.is_failed() and step2[f"{RUN_ID}-step-0002-retry1"].state.is_completed()
-    assert len(arts["metrics"]) == 3  # one version per step
-    table = json.loads(arts["metrics"][0].data) if isinstance(arts["metrics"][0].data, str) else arts["metrics"][0].data
-    assert len(table) in (1, 2, 3)
-    assert arts["progress"] and arts["rollouts"] and "Best" in arts["rollouts"][0].data
+    # bounded: the metrics table (newest lines first) and the rollouts at checkpoint steps 2 and 3 and
+    # the end, the summary every step
+    assert len(arts["metrics"]) == 2 and len(arts["rollouts"]) == 2 and len(arts["summary"]) == 3
+    tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in arts["metrics"]]
+    assert sorted([r["step"] for r in t] for t in tables) == [[2, 1], [3, 2, 1]]
+    assert arts["progress"] and "Best" in arts["rollouts"][0].data
+    assert any("step 3 of 3" in a.data and "reward, steps 1..3" in a.data for a in arts["summary"])
 
 
 def test_refit_failure_leaves_workers_stale_then_retry_succeeds(e2e_run, monkeypatch):

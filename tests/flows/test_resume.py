@@ -89,6 +89,27 @@ def test_kill_and_resume_is_bit_identical(e2e_run, prefect_harness, ray_session,
     assert [r["step"] for r in rows] == [1, 2, 3]  # exactly one line per step
     status = json.loads(open(os.path.join(root, RUN_ID, "status.json")).read())
     assert status["status"] == "completed"
+    # crash bookkeeping: the task runs each killed flow left Running were marked Crashed by the next flow
+    tasks = _task_runs_of(RUN_ID)
+    assert not [t.name for t in tasks if t.state.type.value in ("RUNNING", "PENDING")]
+    crashed = {t.name for t in tasks if t.state.is_crashed()}
+    assert {f"generate-{RUN_ID}-step2", f"checkpoint-{RUN_ID}-step3"} <= crashed, crashed
+
+
+def _task_runs_of(run_id: str) -> list:
+    """Every task run of the flow runs of ``run_id`` (its flow runs and their step subflows)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    async def query():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)))
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
+                                               limit=200)
+
+    return asyncio.run(query())
 
 
 def test_resume_refuses_changed_config(e2e_run, prefect_harness):

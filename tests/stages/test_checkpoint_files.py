@@ -22,7 +22,7 @@ from nrl_tasks.stages.checkpoint import (
     save_checkpoint,
 )
 from nrl_tasks.stages.errors import DamagedRunError
-from tests.models.policy.helpers import in_process_worker
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
 
 
 class _OneRankPolicy:

@@ -165,7 +165,8 @@ def test_train_stage_with_a_nan_advantage_commits_nothing(tmp_path, tiny_model_d
     from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.train import train
     from tests.flows.conftest import TINY_CONFIG
-    from tests.models.policy.helpers import in_process_worker, make_batch
+    from nrl_tasks.models.policy.workers.in_process import in_process_worker
+    from tests.models.policy.helpers import make_batch
 
     root = str(tmp_path / "runs")
     cfg = load_config(TINY_CONFIG, [f"storage.root={root}"])

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import random
 
-import numpy as np
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
@@ -42,31 +39,3 @@ def make_batch(rows: int, width: int, *, seed: int = 0, vocab: int = 300, pad_id
     return batch
 
 
-@contextlib.contextmanager
-def in_process_worker(cfg):
-    """A set-up one-rank ``PolicyWorker`` in this process (gloo group of one).
-
-    The worker seeds RNGs, fixes the thread count and enables deterministic algorithms; all of
-    that process-global state is restored on exit, and the process group is destroyed.
-    """
-    import torch.distributed as dist
-
-    from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
-    from nrl_tasks.utils.collective import find_free_port
-
-    if dist.is_initialized():
-        raise RuntimeError("a default process group already exists in this process")
-    threads = torch.get_num_threads()
-    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    worker = PolicyWorker(cfg.model_dump(mode="json"), None)
-    try:
-        worker.setup("127.0.0.1", find_free_port())
-        yield worker
-    finally:
-        worker.shutdown()
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(det, warn_only=warn)
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])

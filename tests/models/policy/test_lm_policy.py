@@ -23,7 +23,9 @@ from nrl_tasks.models.policy.lm_policy import Policy
 
 from nrl_tasks.models.policy.workers import sharding
 
-from .helpers import in_process_worker, make_batch
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+
+from .helpers import make_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WIDTH = 24

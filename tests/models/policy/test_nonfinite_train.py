@@ -17,7 +17,9 @@ from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.errors import NonFiniteTrainingError
 
-from .helpers import in_process_worker, make_batch
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+
+from .helpers import make_batch
 
 ROWS, WIDTH, GBS, MBS = 8, 24, 8, 4
 LOSS = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})

@@ -10,7 +10,9 @@ from nrl_tasks.algorithms.loss_functions import NLLLossFn
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.workers import sharding
 
-from .helpers import in_process_worker, make_batch
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+
+from .helpers import make_batch
 
 LR, CLIP = 1e-3, 1e-3
 

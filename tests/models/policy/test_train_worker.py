@@ -13,7 +13,9 @@ from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn, NLLLossFn
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.workers import sharding
 
-from .helpers import in_process_worker, make_batch
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+
+from .helpers import make_batch
 
 ROWS, WIDTH, GBS = 16, 32, 8
 

@@ -5,6 +5,9 @@ A Ray actor holding a Hugging Face model, its AdamW optimizer and LR scheduler, 
 logprobs; no second model). Ranks form a default ``torch.distributed`` process group (gloo on
 CPU, NCCL on GPU) used for the gradient all-reduce and global token counts.
 
+Ray is not needed to import or use the class: without Ray it runs in-process as a single rank
+(``benchmarks.gpu_check`` does so on a GPU image without Ray).
+
 Lifecycle: the constructor only stores settings (cheap, so re-attaching by name is cheap);
 ``setup(master_addr, master_port)`` joins the process group and loads the model. ``status()``
 says whether a (possibly re-attached) actor is set up and with which config.
@@ -22,12 +25,11 @@ import os
 import time
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
+from nrl_tasks.distributed.worker_groups import control_method
 from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.errors import NonFiniteTrainingError
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
@@ -109,7 +111,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         ip = get_node_ip()
         return ip, find_free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
 
-    @ray.method(concurrency_group=CONTROL_GROUP)
+    @control_method
     def status(self) -> dict[str, Any]:
         """Whether this actor is set up, with which config, at which weights version, and the
         call it is busy with (answers from the control thread, even during a long call)."""

@@ -1,0 +1,119 @@
+"""The run summary: one small Prefect markdown artifact per run, replaced every step.
+
+What a person watching the run in the Prefect UI wants at a glance: step ``k`` of ``N``, the latest
+and best reward, text curves of reward and eval accuracy (unicode sparklines: they render in any
+markdown, no image needed), time per step and ETA, the last checkpoint and the best one by
+``checkpointing.metric_name``. Its size does not grow with the run: the curves are downsampled to
+at most :data:`CURVE_WIDTH` points, so the Prefect database grows by about the same number of
+bytes every step (each replacement is a new version of the keyed artifact).
+
+>>> sparkline([0.0, 0.5, 1.0])
+'▁▅█'
+>>> sparkline([None, 1.0, 1.0])
+' ▅▅'
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["CURVE_WIDTH", "TABLE_WINDOW", "metrics_window", "sparkline", "summary_markdown"]
+
+#: points of a text curve at most (older steps are averaged into buckets)
+CURVE_WIDTH = 60
+#: rows of the metrics-table artifact (newest first)
+TABLE_WINDOW = 30
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def _buckets(values: Sequence[float | None], width: int) -> list[float | None]:
+    if len(values) <= width:
+        return list(values)
+    out = []
+    for b in range(width):
+        part = [v for v in values[b * len(values) // width:(b + 1) * len(values) // width] if v is not None]
+        out.append(sum(part) / len(part) if part else None)
+    return out
+
+
+def sparkline(values: Sequence[float | None], width: int = CURVE_WIDTH) -> str:
+    """A one-line curve of ``values`` (``None``/NaN: a blank), at most ``width`` characters."""
+    vals = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
+    pts = _buckets(vals, width)
+    known = [v for v in pts if v is not None]
+    if not known:
+        return ""
+    lo, hi = min(known), max(known)
+    scale = (len(_BARS) - 1) / (hi - lo) if hi > lo else 0.0
+    return "".join(" " if v is None else _BARS[round((v - lo) * scale) if scale else len(_BARS) // 2] for v in pts)
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def metrics_window(rows: Sequence[Mapping[str, Any]], n: int = TABLE_WINDOW) -> list[dict[str, Any]]:
+    """The newest ``n`` metrics lines, newest first (the metrics-table artifact)."""
+    return [dict(r) for r in reversed(rows[-n:])]
+
+
+def summary_markdown(
+    run_id: str,
+    rows: Sequence[Mapping[str, Any]],
+    max_steps: int,
+    *,
+    checkpoints: Sequence[tuple[int, str]] = (),
+    metric_name: str = "val_accuracy",
+    higher_is_better: bool = True,
+    links: Mapping[str, str] | None = None,
+) -> str:
+    """The summary of a run from its metrics lines and checkpoints (see the module docstring)."""
+    if not rows:
+        return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
+    last = rows[-1]
+    step = int(last["step"])
+    rewards = [r.get("reward_mean") for r in rows]
+    known = [(r, int(row["step"])) for r, row in zip(rewards, rows) if r is not None]
+    best_reward = max(known) if known else None
+    times = [float(r["step_s"]) for r in rows[-20:] if r.get("step_s") is not None]
+    per_step = statistics.median(times) if times else None
+    eta = per_step * (max_steps - step) if per_step is not None else None
+    lines = [
+        f"# Run `{run_id}`: step {step} of {max_steps}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| reward (latest) | {_fmt(last.get('reward_mean'))} |",
+        f"| reward (best) | {_fmt(best_reward[0]) + f' at step {best_reward[1]}' if best_reward else 'n/a'} |",
+        f"| loss (latest) | {_fmt(last.get('loss'), '.4f')} |",
+        f"| time per step | {_fmt(per_step, '.2f')} s (median of the last {len(times)}) |",
+        f"| ETA | {_duration(eta)} |",
+    ]
+    evals = [(r.get("val_accuracy"), int(r["step"])) for r in rows if r.get("val_accuracy") is not None]
+    if evals:
+        lines.append(f"| eval accuracy (latest, best) | {_fmt(evals[-1][0])}, {_fmt(max(evals)[0])} at step {max(evals)[1]} |")
+    if checkpoints:
+        lines.append(f"| last checkpoint | step {checkpoints[-1][0]}: `{checkpoints[-1][1]}` |")
+        scored = {int(r["step"]): r.get(metric_name) for r in rows if r.get(metric_name) is not None}
+        ranked = [(scored[s], s, uri) for s, uri in checkpoints if s in scored]
+        if ranked:
+            v, s, uri = (max if higher_is_better else min)(ranked)
+            lines.append(f"| best checkpoint ({metric_name}) | step {s} ({_fmt(v)}): `{uri}` |")
+    for name, url in (links or {}).items():
+        lines.append(f"| {name} | {url} |")
+    lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
+    if evals:
+        lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,39 @@
+"""The run summary artifact's content (worked examples) and its bounded size."""
+
+from __future__ import annotations
+
+from flows.run_summary import CURVE_WIDTH, metrics_window, sparkline, summary_markdown
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"step": s, "reward_mean": s / n, "loss": 0.5, "step_s": 2.0,
+             **({"val_accuracy": 0.1 * s} if s % 5 == 0 else {})} for s in range(1, n + 1)]
+
+
+def test_summary_after_ten_steps():
+    md = summary_markdown("r1", _rows(10), 40, checkpoints=[(5, "runs/r1/checkpoints/step_000005"),
+                                                            (10, "runs/r1/checkpoints/step_000010")])
+    assert "# Run `r1`: step 10 of 40" in md
+    assert "| reward (latest) | 1.000 |" in md and "| reward (best) | 1.000 at step 10 |" in md
+    assert "| time per step | 2.00 s (median of the last 10) |" in md
+    assert "| ETA | 1m00s |" in md  # 30 steps left x 2 s
+    assert "| eval accuracy (latest, best) | 1.000, 1.000 at step 10 |" in md
+    assert "| last checkpoint | step 10: `runs/r1/checkpoints/step_000010` |" in md
+    assert "| best checkpoint (val_accuracy) | step 10 (1.000): `runs/r1/checkpoints/step_000010` |" in md
+    assert "reward, steps 1..10: `▁▂▃▃▄▅▆▆▇█`" in md
+    lower = summary_markdown("r1", _rows(10), 40, checkpoints=[(5, "a"), (10, "b")], higher_is_better=False)
+    assert "| best checkpoint (val_accuracy) | step 5 (0.500): `a` |" in lower
+
+
+def test_summary_size_does_not_grow_with_the_run():
+    sizes = [len(summary_markdown("r", _rows(n), 10_000, checkpoints=[(n, f"c/step_{n:06d}")]).encode()) for n in (100, 1000, 5000)]
+    # once the curves are CURVE_WIDTH wide, only the digits of the step numbers differ
+    assert sizes[0] <= sizes[1] and abs(sizes[2] - sizes[1]) < 40 and max(sizes) < 1500, sizes
+    assert len(sparkline(list(range(5000)))) == CURVE_WIDTH
+    assert [r["step"] for r in metrics_window(_rows(100), 3)] == [100, 99, 98]
+
+
+def test_empty_run_and_missing_values():
+    assert "no step finished yet (0 of 5)" in summary_markdown("r", [], 5)
+    md = summary_markdown("r", [{"step": 1, "reward_mean": None}], 5)
+    assert "| reward (latest) | n/a |" in md and "| ETA | n/a |" in md
