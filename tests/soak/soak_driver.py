@@ -52,6 +52,9 @@ def _wait(pred, timeout_s: float) -> list:
 
 def main(argv: list[str]) -> int:
     cfg_path, run_id, report_path, ray_tmp = argv
+    from flows.cli import _quiet_env
+
+    _quiet_env()  # as `nrl` does: among others a patient ephemeral Prefect server (the default 20 s timed out in CI)
     import ray
 
     from flows.grpo import grpo
