@@ -42,7 +42,7 @@ from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_summary import metrics_window
-from flows.run_state import init_run, read_status, trained_prefix, write_status
+from flows.run_state import init_run, read_status, write_status
 from flows.runtime import build_run_context, ray_connected, recreate_policy, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext
@@ -75,18 +75,15 @@ def dpo_metrics_line(step: int, refs: dict[str, Any], checkpoint: Any, wall_s: f
 def restore_dpo_run(run: RunContext, log: Any) -> dict[str, Any]:
     """Bring the fresh policy to the run's trained prefix (see the module docstring):
     ``{"last": T, "restored_from": checkpoint URI or "initial", "replayed": [steps]}``."""
-    from nrl_tasks.stages.checkpoint import list_checkpoints, restore_checkpoint
-    from nrl_tasks.stages.checkpoint_files import check_checkpoint
+    from flows.recompute import resume_window
+    from nrl_tasks.stages.checkpoint import restore_checkpoint
     from nrl_tasks.stages.dpo import replay_dpo_train
 
     layout, opts = run.layout, run.storage_options
-    last = trained_prefix(layout, max_step=run.cfg.dpo.max_num_steps, storage_options=opts)
-    anchor = 0
-    for step, uri in reversed(list_checkpoints(layout.checkpoints_uri, opts)):
-        if step <= last and check_checkpoint(uri, opts) is None:
-            restore_checkpoint(run.policy, uri, opts, verify=False)
-            anchor = step
-            break
+    # dpo.max_num_steps is in the config hash, so the trained prefix never lies beyond it
+    anchor, last = resume_window(layout, opts)  # newest checkpoint <= trained prefix that checks out
+    if anchor:
+        restore_checkpoint(run.policy, layout.checkpoint_uri(anchor), opts, verify=False)
     replayed = list(range(anchor + 1, last + 1))
     for step in replayed:
         replay_dpo_train(run, step)
