@@ -79,7 +79,7 @@ def learning(steps: int, sft_steps: int, tmp: str) -> dict[str, Any]:
     from flows.sft import sft
 
     warm = sft(config=DEMO_CONFIG, run_id="bench-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
-    base = ["logger.step_subflows=false", f"policy.model_name={warm['weights']}"]
+    base = ["logger.step_subflows=false", "warm_start.sft_steps=0", f"policy.model_name={warm['weights']}"]
     sync = run(DEMO_CONFIG, base, steps, "learn-sync", tmp)
     asyn = run(DEMO_CONFIG, [*base, *ASYNC], steps, "learn-async", tmp)
     print(f"### learning: tiny model, SFT warm start ({sft_steps} steps), then {steps} GRPO steps")

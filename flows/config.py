@@ -303,6 +303,14 @@ class LoggerConfig(_Section):
     )
 
 
+class WarmStartConfig(_Section):
+    """A supervised warm start the GRPO flow runs first (not a NeMo-RL key; :mod:`flows.warm_start`)."""
+
+    sft_steps: int = Field(0, ge=0, le=100_000, description="SFT steps on the reference answers before GRPO (0: none)")
+    batch_size: int = Field(32, ge=1, le=65_536, description="prompts per SFT step")
+    lr: float | None = Field(None, gt=0, le=1.0, description="SFT learning rate (default policy.optimizer.kwargs.lr)")
+
+
 class MasterConfig(_Section):
     """Everything a GRPO run needs. See ``configs/grpo_tiny.yaml``."""
 
@@ -317,6 +325,7 @@ class MasterConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; flows.config_dpo)")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
@@ -462,6 +471,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "logger": True,
     "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
+    "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
 }
 
 
@@ -494,6 +504,8 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
             data[section].pop(key)
     if cfg.dpo is None:  # a GRPO run hashes as before the section existed
         data.pop("dpo", None)
+    if not cfg.warm_start.sft_steps:  # likewise a run without a warm start
+        data.pop("warm_start", None)
     data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None
     return data
 

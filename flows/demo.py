@@ -1,11 +1,11 @@
 """``make demo``: GRPO that visibly learns, on 2 CPU cores, in a few minutes.
 
 1. prepares the tiny built-in model (made locally, nothing downloaded);
-2. a short SFT warm start (``flows.sft``) so the model knows the answer format and is right
-   some of the time (single-digit addition, exact-match reward);
-3. ``nrl grpo --config configs/grpo_tiny_demo.yaml policy.model_name=<warm start>``: the mean
-   reward rises over the steps;
-4. prints the reward curve and where the metrics, artifacts and checkpoints are.
+2. ``nrl grpo --config configs/grpo_tiny_demo.yaml``: the GRPO flow first runs the config's
+   short SFT warm start (``warm_start.sft_steps``, :mod:`flows.warm_start`) so the model knows the
+   answer format and is right some of the time (single-digit addition, exact-match reward), then
+   GRPO from those weights: the mean reward rises over the steps;
+3. prints the reward curve and where the metrics, artifacts and checkpoints are.
 
 The real pretrained SmolLM2-135M-Instruct config (``configs/grpo_smollm2.yaml``) is too slow for a
 10-minute budget on 2 cores (see README for its measured step time); this demo is the fast path.
@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     from flows.cli import main as nrl
     from flows.config import load_config
     from flows.models import resolve_model_path
-    from flows.sft import sft
 
     if args.smollm2:
         config = SMOLLM2_CONFIG if args.config == DEMO_CONFIG else args.config
@@ -62,17 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] 2/2 nrl grpo --config {os.path.relpath(config)} ({cfg.grpo.max_num_steps} steps)", flush=True)
         rc = nrl(["grpo", "--config", config, "--storage", args.storage, "--run-id", run_id, *args.overrides])
         return rc if rc != 0 else _report(args, run_id, t0)
-    cfg = load_config(args.config, args.overrides)
-    print(f"[demo] 1/3 model: {cfg.policy.model_name} -> {resolve_model_path(cfg.policy.model_name)}", flush=True)
-    print(f"[demo] 2/3 SFT warm start: {args.sft_steps} steps of NLL on reference answers", flush=True)
-    warm = sft(
-        config=args.config, run_id=f"{run_id}-sft", num_steps=args.sft_steps, overrides=args.overrides,
-        storage=args.storage, lr=args.sft_lr,
-    )
-    print(f"[demo]     warm-start weights: {warm['weights']} ({time.perf_counter() - t0:.0f} s so far)", flush=True)
-    print(f"[demo] 3/3 nrl grpo --config {os.path.relpath(args.config)} policy.model_name=<warm start>", flush=True)
-    rc = nrl(["grpo", "--config", args.config, "--storage", args.storage, "--run-id", run_id,
-              f"policy.model_name={warm['weights']}", *args.overrides])
+    overrides = [f"warm_start.sft_steps={args.sft_steps}", f"warm_start.lr={args.sft_lr}", *args.overrides]
+    cfg = load_config(args.config, overrides)
+    print(f"[demo] 1/2 model: {cfg.policy.model_name} -> {resolve_model_path(cfg.policy.model_name)}", flush=True)
+    print(f"[demo] 2/2 nrl grpo --config {os.path.relpath(args.config)}: first an SFT warm start of "
+          f"{args.sft_steps} steps (run {run_id}-sft), then {cfg.grpo.max_num_steps} GRPO steps from its weights", flush=True)
+    rc = nrl(["grpo", "--config", args.config, "--storage", args.storage, "--run-id", run_id, *overrides])
     if rc != 0:
         return rc
     return _report(args, run_id, t0)

@@ -51,7 +51,7 @@ from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
-from flows.step import StepPlan, tag_flow_run
+from flows.step import StepPlan, rename_flow_run, tag_flow_run
 from flows.run_state import (
     check_storage_root,
     init_run,
@@ -61,6 +61,7 @@ from flows.run_state import (
     write_status,
 )
 from flows.trackers import open_trackers
+from flows.warm_start import ensure_warm_start, with_warm_start_weights
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
@@ -118,7 +119,7 @@ def resume_config(config: Any, overrides: list[str] | None, storage: str | None,
     saved = resolve_config(None, overrides, storage, run_id=run_id)
     if config is None:
         return saved
-    given = resolve_config(config, overrides, storage or saved.storage.root)
+    given = with_warm_start_weights(resolve_config(config, overrides, storage or saved.storage.root), run_id)
     changed = changed_keys(saved, given)
     if changed:
         raise ConfigError(
@@ -296,6 +297,7 @@ def grpo(
     lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
     try:
         with quiet_lifecycle_logs(cfg.logger.log_level):  # the step line stands out (flows.quiet_logs)
+            cfg = ensure_warm_start(cfg, run_id, get_run_logger())  # warm_start.sft_steps: SFT first (flows.warm_start)
             return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
     finally:
         lease.release()
@@ -348,6 +350,7 @@ def _train(
             )
         rows = read_metrics(layout.metrics_uri, opts)
         write_status(layout, opts, status="completed", last_step=cfg.grpo.max_num_steps)
+        rename_flow_run(fid, run_id)  # a finished run's flow run is named after the run (a resume's too)
         if not keep:
             rt.shutdown()  # kill the actors, remove the placement groups
     except BaseException as exc:

@@ -49,7 +49,7 @@ from nrl_tasks.stages.refs import DatasetRef, StepRefs
 from nrl_tasks.stages.score import score
 from nrl_tasks.stages.train import train
 
-__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step", "sampled_stages"]
+__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step", "rename_flow_run", "sampled_stages", "tag_flow_run"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,21 @@ def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
             client.update_flow_run(flow_run_id=uuid.UUID(flow_run_id), tags=[f"run:{run_id}"])
     except Exception as exc:  # noqa: BLE001 - cosmetic
         get_run_logger().debug("tagging flow run %s failed: %s", flow_run_id, exc)
+
+
+def rename_flow_run(flow_run_id: str | None, name: str) -> None:
+    """Rename a flow run (a finished GRPO run's flow run becomes its run id); cosmetic, never raises."""
+    if not flow_run_id:
+        return
+    try:
+        import uuid
+
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id=uuid.UUID(flow_run_id), name=name)
+    except Exception as exc:  # noqa: BLE001 - cosmetic
+        get_run_logger().debug("renaming flow run %s failed: %s", flow_run_id, exc)
 
 
 def publish_step(

@@ -126,7 +126,7 @@ def test_prefect_flow_run_retry_resumes_a_crashed_then_failed_run(tmp_path, tiny
     env = clean_env(str(tmp_path), NRL_REPO_DIR=REPO, RAY_AUTH_MODE="disabled")
     fault_log = str(tmp_path / "faults.jsonl")
     overrides = [f"policy.model_name={tiny_model_dir}", f"grpo.max_num_steps={STEPS}", "grpo.stage_retries=0"]
-    params = {"overrides": overrides, "storage": root}
+    params = {"config": "configs/grpo_tiny.yaml", "overrides": overrides, "storage": root}
     fault_env = {**FAULT_ENV, "NRL_FAULT_LOG": fault_log}
     t0 = time.monotonic()
     marks = []

@@ -1,0 +1,58 @@
+"""The warm start the GRPO flow runs itself (``warm_start.sft_steps``): an SFT run ``<run>-sft``,
+then GRPO from its weights; a resume sent the base-model config (as a deployment sends its
+default) reuses the warm start instead of training again; the finished flow run is named after
+the run."""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
+
+
+def _flow_run_name(flow_run_id: str) -> str:
+    import uuid
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(uuid.UUID(flow_run_id)).name
+
+
+def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    from flows.config import config_hash, load_config
+    from flows.grpo import grpo
+    from flows.run_state import read_status
+    from flows.warm_start import warm_start_weights
+    from nrl_tasks.run_layout import RunLayout
+
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.max_num_steps": 1, "warm_start.sft_steps": 3,
+                                                                 "warm_start.batch_size": 8, "warm_start.lr": 3e-3})
+    path = tmp_path / "grpo.yaml"  # the deployment's `config` parameter: the base model
+    path.write_text(yaml.safe_dump(cfg))
+    run_id = "warm"
+    try:
+        out = grpo(config=str(path), run_id=run_id)
+        sft_manifest = os.path.join(root, "warm-sft", "checkpoints", "step_000003", "checkpoint.json")
+        assert os.path.exists(sft_manifest), os.listdir(os.path.join(root, "warm-sft"))
+        stamp = os.stat(sft_manifest).st_mtime_ns
+        saved = yaml.safe_load(open(os.path.join(root, run_id, "config.yaml"), encoding="utf-8"))
+        weights = warm_start_weights(load_config(str(path)), run_id)
+        assert saved["policy"]["model_name"] == weights and saved["warm_start"]["sft_steps"] == 3
+        assert os.path.isdir(weights.replace("file://", ""))
+        # the hash counts the warm start: the same run without one hashes differently
+        no_ws = load_config(str(path), ["warm_start.sft_steps=0", f"policy.model_name={weights}"])
+        assert config_hash(no_ws) != saved["config_hash"]
+        status = read_status(RunLayout(root, run_id)) or {}
+        assert _flow_run_name(status["flow_run_id"]) == run_id  # renamed from its start-up name when finished
+        # extend it as the deployment does: its default config names the base model
+        out = grpo(config=str(path), run_id=run_id, resume=True, storage=root, overrides=["grpo.max_num_steps=2"])
+    finally:
+        kill_run_actors(run_id)
+    assert out["last_step"] == 2
+    assert os.stat(sft_manifest).st_mtime_ns == stamp  # the warm start was reused, not trained again
+    status = read_status(RunLayout(root, run_id)) or {}
+    assert _flow_run_name(status["flow_run_id"]) == run_id  # "warm-resume" while it ran
