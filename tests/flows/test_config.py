@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -77,6 +79,13 @@ def test_hash_covers_results_not_placement():
     assert config_hash(load_config(TINY, ["policy.optimizer.kwargs.lr=1e-5"])) != h
     assert config_hash(load_config(TINY, ["grpo.seed=1"])) != h
     assert config_hash(load_config(TINY, ["generation.temperature=0.7"])) != h
+    # a warm start counts only when on (a run without one hashes as before the key existed)
+    assert config_hash(load_config(TINY, ["warm_start.batch_size=8"])) == h
+    assert config_hash(load_config(TINY, ["warm_start.sft_steps=10"])) != h
+    # a DPO run, like a GRPO run, can be extended: its length is not in the hash
+    dpo = os.path.join(os.path.dirname(TINY), "dpo_tiny.yaml")
+    assert config_hash(load_config(dpo, ["dpo.max_num_steps=99"])) == config_hash(load_config(dpo))
+    assert config_hash(load_config(dpo, ["dpo.reference_policy_kl_penalty=0.3"])) != config_hash(load_config(dpo))
 
 
 def test_saved_yaml_roundtrip_and_redaction():
