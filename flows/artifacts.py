@@ -1,12 +1,13 @@
-"""Prefect artifacts of a run: metrics table, progress, best/worst rollouts, eval comparison.
+"""Prefect artifacts of a run: metrics table, progress, best/worst rollouts; the eval view of a sweep.
 
 Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
 publication is a new version of the same keyed artifact in the UI. What a run publishes is bounded
 per step (the Prefect database grows by a constant amount a step, not by one that grows with the
 run): the small summary every step; the metrics table (the newest :data:`~flows.run_summary.TABLE_WINDOW`
 lines, newest first) and the best/worst rollouts at checkpoint steps and the last step; progress
-updated in place. ``metrics.jsonl`` keeps every line. Artifacts are best effort: a failure to
-publish is logged, never fatal to training.
+updated in place. ``metrics.jsonl`` keeps every line. The eval view of a sweep target
+(:mod:`flows.eval_view`) gets a new version only when its content changed (:func:`publish_eval_view`).
+Artifacts are best effort: a failure to publish is logged, never fatal to training.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "BackgroundPublisher",
     "artifact_key",
     "publish_eval_table",
+    "publish_eval_view",
     "publish_metrics_table",
     "publish_progress",
     "publish_rollouts",
@@ -186,17 +188,59 @@ def publish_summary(run_id: str, markdown: str) -> None:
         logger.warning("summary artifact not published: %s", exc)
 
 
-def publish_eval_table(key_name: str, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Table artifact comparing checkpoints (one row per evaluated checkpoint)."""
-    if not _in_run_context():
-        return
-    from prefect.artifacts import create_table_artifact
+def _latest_artifact(key: str) -> Any:
+    """The latest version of the artifact ``key`` on the Prefect API, ``None`` if there is none."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 
-    try:
-        create_table_artifact(
-            table=[{k: _round(v) for k, v in r.items()} for r in rows],
-            key=artifact_key(key_name, "evals"),
-            description=f"checkpoint evaluations of {key_name}",
+    with get_client(sync_client=True) as client:
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key])), limit=1
         )
+    return found[0] if found else None
+
+
+def publish_eval_view(key_name: str, markdown: str) -> bool:
+    """The eval view of a sweep target (:mod:`flows.eval_view`) as the markdown artifact
+    ``nrl-<target>-evals``, published as a new version only when it differs from the latest
+    version on the Prefect API (compared by :func:`~flows.eval_view.view_digest`, which the
+    description carries too): a sweep that evaluated nothing new adds nothing, whichever process
+    ran the sweep before. Returns whether a version was created; never raises (warns)."""
+    if not _in_run_context():
+        return False
+    from prefect.artifacts import create_markdown_artifact
+
+    from flows.eval_view import view_digest
+
+    key, digest = artifact_key(key_name, "evals"), view_digest(markdown)
+    try:
+        latest = _latest_artifact(key)
+    except Exception as exc:  # noqa: BLE001 - then publish: a duplicate version beats a missed change
+        logger.warning("eval artifact %s: latest version not readable (%s); publishing", key, exc)
+        latest = None
+    if latest is not None and isinstance(latest.data, str) and view_digest(latest.data) == digest:
+        logger.info("eval artifact %s unchanged (digest %s): not republished", key, digest)
+        return False
+    try:
+        description = f"checkpoint evaluations of {key_name} (digest {digest})"
+        create_markdown_artifact(markdown=markdown, key=key, description=description)
+        return True
     except Exception as exc:  # noqa: BLE001
         logger.warning("eval artifact not published: %s", exc)
+        return False
+
+
+def publish_eval_table(
+    key_name: str, rows: Sequence[Mapping[str, Any]], runs: Mapping[str, Mapping[str, Any]] | None = None
+) -> bool:
+    """The eval view of ``rows`` (:func:`flows.eval_view.eval_view_markdown`; ``runs``: per run id
+    its flow-run id, storage URI and UI URL), published by :func:`publish_eval_view`. (The name is
+    from when it was a table.)"""
+    from flows.eval_view import eval_view_markdown
+
+    try:
+        markdown = eval_view_markdown(key_name, rows, runs)
+    except Exception as exc:  # noqa: BLE001 - cosmetic
+        logger.warning("eval artifact not rendered: %s", exc)
+        return False
+    return publish_eval_view(key_name, markdown)

@@ -7,8 +7,14 @@ samples as Arrow under ``<run>/evals/<checkpoint>/<dataset-key>/``.
 
 ``eval_sweep(target)`` does that for every committed checkpoint of a run (``target`` = run id)
 or of every run under a storage prefix (``target`` containing ``/`` or ``://``) that has no
-evaluation yet, and publishes a table artifact comparing all evaluated checkpoints. Run twice,
-the second run evaluates nothing new. The ``eval-sweep`` deployment runs it on a cron schedule.
+evaluation yet, and publishes the *eval view* of the target (:mod:`flows.eval_view`: per run and
+dataset the checkpoints' accuracy, pass@k and links, the best one marked, text curves), a new
+version of the artifact ``nrl-<target>-evals`` only when it changed: run twice, the second run
+evaluates nothing new and publishes nothing. The ``eval-sweep`` deployment runs it on a cron schedule.
+
+A sweep's flow run is named ``eval-sweep-<target>-<UTC YYYYmmdd-HHMM>`` (target: the run id or the
+prefix's basename), one checkpoint's ``eval-<run_id>-<checkpoint>``; both are tagged
+``run:<run_id>`` for the run they evaluate (a sweep over a prefix: the runs it evaluated anew).
 
 Evaluating during training is safe: each evaluation claims its checkpoint
 (:mod:`nrl_tasks.stages.holds`), so retention keeps it until the claim is released and two
@@ -18,22 +24,71 @@ anyway (by hand, or before the claim) is skipped with a warning and listed under
 
 from __future__ import annotations
 
-import os
+from collections.abc import Sequence
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from flows.artifacts import publish_eval_table
+from flows.eval_view import is_prefix, target_label
 from flows.config import MasterConfig, load_config
-from nrl_tasks.run_layout import RunLayout, join_uri
-from flows.run_state import check_storage_root, list_runs, saved_config_data
+from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from flows.run_state import check_storage_root, list_runs, read_status, saved_config_data
 
-__all__ = ["eval_sweep", "evaluate_checkpoint", "load_run_config"]
+__all__ = ["MAX_RUN_TAGS", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
+
+#: ``run:<run_id>`` tags an eval flow run carries at most
+MAX_RUN_TAGS = 20
 
 
 def load_run_config(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> MasterConfig:
     """The saved config of a run, with the storage section replaced by the current one."""
     return load_config(saved_config_data(run_id, root, storage_options))
+
+
+def _sweep_run_name() -> str:
+    from datetime import datetime, timezone
+
+    from prefect.runtime import flow_run
+
+    target = str((flow_run.parameters or {}).get("target") or "runs")
+    return f"eval-sweep-{target_label(target)}-{datetime.now(timezone.utc):%Y%m%d-%H%M}"
+
+
+def tag_eval_run(run_ids: Sequence[str]) -> None:
+    """Tag the current flow run ``run:<run_id>`` for each of ``run_ids`` (the tag of
+    :func:`flows.step.tag_flow_run`, which replaces a run's tags: this keeps the ones it has, e.g. a
+    deployment's ``nrl``, ``eval``), at most :data:`MAX_RUN_TAGS` run tags. Never raises."""
+    from prefect.runtime import flow_run
+
+    if not run_ids or not flow_run.id:
+        return
+    try:
+        import uuid
+
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            fr_id = uuid.UUID(flow_run.id)
+            tags = list(client.read_flow_run(fr_id).tags)
+            room = MAX_RUN_TAGS - sum(t.startswith("run:") for t in tags)
+            new = [t for t in dict.fromkeys(f"run:{r}" for r in run_ids) if t not in tags][: max(room, 0)]
+            if new:
+                client.update_flow_run(flow_run_id=fr_id, tags=tags + new)
+    except Exception as exc:  # noqa: BLE001 - cosmetic
+        get_run_logger().warning("tagging flow run %s with its runs failed: %s", flow_run.id, exc)
+
+
+def _run_info(root: str, run_id: str) -> dict[str, Any]:
+    """What the eval view links a run by: its training flow run (``status.json``) and storage URI."""
+    from prefect.settings import get_current_settings
+
+    layout = RunLayout(root, run_id)
+    try:
+        status = read_status(layout) or {}
+    except Exception:  # noqa: BLE001 - the view then names no flow run
+        status = {}
+    return {"flow_run_id": status.get("flow_run_id"), "run_uri": layout.run_uri, "ui_url": get_current_settings().ui_url}
 
 
 def _records(cfg: MasterConfig, run_id: str, dataset: str | None, max_prompts: int | None) -> list[dict[str, str]]:
@@ -75,6 +130,7 @@ def evaluate_checkpoint(
     from flows.ray_session import connect_ray
 
     root = check_storage_root(storage or "./runs", create=False)
+    tag_eval_run([run_id])
     cfg = load_run_config(run_id, root)
     recs = _records(cfg, run_id, dataset, max_prompts)
     connect_ray(cfg)
@@ -111,6 +167,8 @@ def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -
                 {
                     "run_id": run_id,
                     "checkpoint": ck_name,
+                    "step": parse_step_dir(ck_name),
+                    "checkpoint_uri": join_uri(layout.checkpoints_uri, ck_name),
                     "dataset": m.get("dataset"),
                     "accuracy": m.get("eval_accuracy"),
                     "pass_at_k": m.get("eval_pass_at_k"),
@@ -123,7 +181,7 @@ def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -
     return rows
 
 
-@flow(name="eval-sweep", validate_parameters=False, persist_result=False)
+@flow(name="eval-sweep", flow_run_name=_sweep_run_name, validate_parameters=False, persist_result=False)
 def eval_sweep(
     target: str,
     storage: str | None = None,
@@ -139,51 +197,63 @@ def eval_sweep(
     warning; the sweep goes on), and being evaluated by a concurrent sweep (its claim is live);
     ``rows``: every committed evaluation of the runs (one per checkpoint and dataset).
     """
+    if is_prefix(target):
+        root = check_storage_root(target, create=False)
+        run_ids = [r["run_id"] for r in list_runs(root)]
+    else:
+        root = check_storage_root(storage or "./runs", create=False)
+        run_ids = [target]
+        tag_eval_run(run_ids)
+    out: dict[str, list[Any]] = {"evaluated": [], "skipped": [], "vanished": [], "busy": [], "rows": []}
+    try:
+        for run_id in run_ids:
+            out["rows"].extend(_sweep_run(root, run_id, dataset, num_samples, max_prompts, out))
+    finally:  # the runs with new evaluations, also when a later one failed
+        tag_eval_run([c.split("/", 1)[0] for c in out["evaluated"]])
+    published = False
+    if out["rows"]:
+        label = target_label(root if is_prefix(target) else target)
+        published = publish_eval_table(label, out["rows"], {r: _run_info(root, r) for r in run_ids})
+    get_run_logger().info(
+        "eval sweep: %d evaluated, %d already evaluated, %d vanished, %d being evaluated elsewhere; eval view %s",
+        *(len(out[k]) for k in ("evaluated", "skipped", "vanished", "busy")), "published" if published else "not republished",
+    )
+    return out
+
+
+def _sweep_run(
+    root: str, run_id: str, dataset: str | None, num_samples: int, max_prompts: int | None, out: dict[str, list[Any]],
+) -> list[dict[str, Any]]:
+    """Evaluate the checkpoints of one run that have no evaluation (each ``run/checkpoint`` appended
+    to its outcome's list in ``out``); return the run's rows."""
+    import storage as _st
+
     from flows.ray_session import connect_ray
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.evaluate import _eval_key, evaluate
 
     logger = get_run_logger()
-    if "/" in target or "://" in target:
-        root = check_storage_root(target, create=False)
-        run_ids = [r["run_id"] for r in list_runs(root)]
-        label = os.path.basename(root.rstrip("/")) or "runs"
-    else:
-        root = check_storage_root(storage or "./runs", create=False)
-        run_ids = [target]
-        label = target
-    evaluated, skipped, vanished, busy, rows = [], [], [], [], []
-    for run_id in run_ids:
-        cfg = load_run_config(run_id, root)
-        layout = RunLayout(root, run_id)
-        recs = None
-        for step, ck_uri in list_checkpoints(layout.checkpoints_uri):
-            name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
-            import storage as _st
-
-            if _st.is_committed(join_uri(layout.eval_uri(name), _eval_key(dataset))):
-                skipped.append(f"{run_id}/{name}")
-                continue
-            recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
-            connect_ray(cfg)
-            res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
-            label_ck = f"{run_id}/{name}"
-            if res.get("vanished"):
-                vanished.append(label_ck)
-                logger.warning("eval sweep: skipped %s: the checkpoint vanished (%s)", label_ck, res.get("reason"))
-            elif res.get("busy"):
-                busy.append(label_ck)
-                logger.info("eval sweep: skipped %s: another evaluation of it is running", label_ck)
-            elif res.get("skipped"):
-                skipped.append(label_ck)  # committed by another sweep meanwhile
-            else:
-                evaluated.append(label_ck)
-                logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
-        rows.extend(_eval_rows(root, run_id, None))
-    if rows:
-        publish_eval_table(label, rows)
-    logger.info(
-        "eval sweep: %d evaluated, %d already evaluated, %d vanished, %d being evaluated elsewhere",
-        len(evaluated), len(skipped), len(vanished), len(busy),
-    )
-    return {"evaluated": evaluated, "skipped": skipped, "vanished": vanished, "busy": busy, "rows": rows}
+    cfg = load_run_config(run_id, root)
+    layout = RunLayout(root, run_id)
+    recs = None
+    for _step, ck_uri in list_checkpoints(layout.checkpoints_uri):
+        name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
+        label_ck = f"{run_id}/{name}"
+        if _st.is_committed(join_uri(layout.eval_uri(name), _eval_key(dataset))):
+            out["skipped"].append(label_ck)
+            continue
+        recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
+        connect_ray(cfg)
+        res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
+        if res.get("vanished"):
+            out["vanished"].append(label_ck)
+            logger.warning("eval sweep: skipped %s: the checkpoint vanished (%s)", label_ck, res.get("reason"))
+        elif res.get("busy"):
+            out["busy"].append(label_ck)
+            logger.info("eval sweep: skipped %s: another evaluation of it is running", label_ck)
+        elif res.get("skipped"):
+            out["skipped"].append(label_ck)  # committed by another sweep meanwhile
+        else:
+            out["evaluated"].append(label_ck)
+            logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+    return _eval_rows(root, run_id, None)

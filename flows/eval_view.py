@@ -1,0 +1,202 @@
+"""The eval view: one markdown artifact per sweep target comparing a run's evaluated checkpoints.
+
+Pure functions (rows in, markdown out), so the view is testable without Prefect or storage. Per
+training run: a link to its flow run in the Prefect UI (``<PREFECT_UI_URL>/runs/flow-run/<id>``;
+without a UI URL the flow-run id and the run's storage URI); then per dataset: the best checkpoint
+by accuracy (ties: the earlier step), text curves of accuracy and pass@k over the checkpoints in
+step order (:func:`flows.run_summary.sparkline`, at most :data:`~flows.run_summary.CURVE_WIDTH`
+characters whatever the count), and a table of the newest :data:`TABLE_ROWS` checkpoints in step
+order, the best one starred, each with a link to its files (local paths and http(s); ``s3://``
+stays plain text).
+
+Its size is bounded (:data:`MAX_RUNS` runs, :data:`MAX_DATASETS` datasets a run, :data:`TABLE_ROWS`
+rows a table) and it holds nothing that changes between two sweeps that evaluated nothing new (no
+timestamps, no durations), so :func:`view_digest` tells whether a sweep has anything new to show:
+the flow publishes a new artifact version only when the digest differs from the latest version's
+(:func:`flows.artifacts.publish_eval_view`). :func:`target_label` names a sweep target (in its
+flow-run name and artifact key).
+
+>>> rows = [{"run_id": "r", "checkpoint": f"step_00000{s}", "dataset": "val", "accuracy": a} for s, a in ((2, 0.5), (4, 0.5))]
+>>> md = eval_view_markdown("r", rows)
+>>> "best: step_000002 (accuracy 0.500)" in md and "| ★ | step_000002 |" in md
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flows.run_summary import sparkline
+from flows.storage_root import normalize_root
+from nrl_tasks.run_layout import parse_step_dir
+
+__all__ = [
+    "MAX_DATASETS", "MAX_RUNS", "TABLE_ROWS", "best_row", "eval_view_markdown", "flow_run_url", "is_prefix",
+    "target_label", "uri_link", "view_digest",
+]
+
+#: checkpoints a table shows at most (the newest by step)
+TABLE_ROWS = 50
+#: runs the view shows at most (the last ones given: ``list_runs`` orders them oldest first)
+MAX_RUNS = 20
+#: datasets shown a run at most
+MAX_DATASETS = 8
+
+
+def is_prefix(target: str) -> bool:
+    """Whether a sweep target is a storage prefix (holding runs) rather than a run id."""
+    return "/" in target or "://" in target
+
+
+def target_label(target: str) -> str:
+    """What a sweep evaluates, in its flow-run name and artifact key: the run id, or the basename of
+    the storage prefix (``"runs"`` if it has none); only ``[A-Za-z0-9._-]``.
+
+    >>> target_label("s3://bucket/team/runs/"), target_label("grpo-tiny_1")
+    ('runs', 'grpo-tiny_1')
+    """
+    base = normalize_root(target).rstrip("/").rsplit("/", 1)[-1] if is_prefix(target) else target
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.") or "runs"
+
+
+def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:
+    """The Prefect UI page of a flow run, ``None`` without a UI URL or id.
+
+    >>> flow_run_url("http://127.0.0.1:4200/", "abc")
+    'http://127.0.0.1:4200/runs/flow-run/abc'
+    """
+    if not ui_url or not flow_run_id:
+        return None
+    return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+def _code(text: Any) -> str:
+    return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+
+
+def uri_link(uri: str | None) -> str:
+    """A markdown link to ``uri`` where a browser can follow it (an absolute local path as
+    ``file://``, ``file://`` and ``http(s)://`` as they are), else the URI as code (``s3://``).
+
+    >>> uri_link("/runs/r/checkpoints/step_000002")
+    '[/runs/r/checkpoints/step_000002](file:///runs/r/checkpoints/step_000002)'
+    >>> uri_link("s3://b/runs/r/checkpoints/step_000002")
+    '`s3://b/runs/r/checkpoints/step_000002`'
+    """
+    if not uri:
+        return ""
+    target = None
+    if uri.startswith(("http://", "https://", "file://")):
+        target = uri
+    elif uri.startswith("/"):
+        target = "file://" + uri
+    if target is None or any(c in target for c in " ()<>|\n"):
+        return _code(uri)
+    return f"[{uri.replace('[', '(').replace(']', ')')}]({target})"
+
+
+def _num(v: Any, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _step(row: Mapping[str, Any]) -> int:
+    step = row.get("step")
+    return int(step) if step is not None else parse_step_dir(str(row.get("checkpoint") or "")) or 0
+
+
+def best_row(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The row with the highest accuracy, the earlier step on a tie; ``None`` if none has one."""
+    scored = [r for r in rows if r.get("accuracy") is not None]
+    return min(scored, key=lambda r: (-float(r["accuracy"]), _step(r))) if scored else None
+
+
+def _run_header(run_id: str, info: Mapping[str, Any]) -> str:
+    fr = info.get("flow_run_id")
+    url = flow_run_url(info.get("ui_url"), fr)
+    if url:
+        parts = [f"training run: [flow run {fr}]({url})"]
+    else:
+        parts = [f"training run: flow run {_code(fr)}" if fr else "training run: no flow-run id recorded"]
+    if info.get("run_uri"):
+        parts.append(f"storage {uri_link(info['run_uri'])}")
+    return f"## Run {_code(run_id)}\n\n" + " · ".join(parts)
+
+
+def _dataset_section(dataset: str, rows: list[Mapping[str, Any]], table_rows: int) -> list[str]:
+    rows = sorted(rows, key=_step)
+    best = best_row(rows)
+    ks = sorted({r.get("k") for r in rows if r.get("k") is not None})
+    pass_name = f"pass@{ks[0]}" if len(ks) == 1 else "pass@k"
+    first, last = rows[0]["checkpoint"], rows[-1]["checkpoint"]
+    out = [f"### Dataset {_code(dataset)}: {len(rows)} checkpoint(s)", ""]
+    out.append(
+        f"best: {best['checkpoint']} (accuracy {_num(best['accuracy'])})" if best is not None else "best: n/a (no accuracy)"
+    )
+    span = f"{first}..{last}" if len(rows) > 1 else first
+    out += [
+        "",
+        f"accuracy, {span}: {_code(sparkline([r.get('accuracy') for r in rows]) or 'n/a')}",
+        "",
+        f"{pass_name}, {span}: {_code(sparkline([r.get('pass_at_k') for r in rows]) or 'n/a')}",
+        "",
+    ]
+    shown = rows[-table_rows:]
+    if len(shown) < len(rows):
+        out += [f"the newest {len(shown)} of {len(rows)} checkpoints:", ""]
+    out += [
+        "| | checkpoint | accuracy | pass@k | k | sample reward | prompts | checkpoint files |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in shown:
+        mark = "★" if r is best else ""
+        out.append(
+            f"| {mark} | {r['checkpoint']} | {_num(r.get('accuracy'))} | {_num(r.get('pass_at_k'))} | {_num(r.get('k'))} "
+            f"| {_num(r.get('sample_reward_mean'))} | {_num(r.get('num_prompts'))} | {uri_link(r.get('checkpoint_uri'))} |"
+        )
+    return out + [""]
+
+
+def eval_view_markdown(
+    label: str,
+    rows: Sequence[Mapping[str, Any]],
+    runs: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    table_rows: int = TABLE_ROWS,
+    max_runs: int = MAX_RUNS,
+) -> str:
+    """The eval view of sweep target ``label``.
+
+    ``rows``: one per committed evaluation (``run_id``, ``checkpoint``, ``dataset``, ``accuracy``,
+    ``pass_at_k``, ``k``, ``sample_reward_mean``, ``num_prompts``, optional ``step`` and
+    ``checkpoint_uri``), as :func:`flows.evaluate._eval_rows` reads them. ``runs``: per run id,
+    ``flow_run_id`` (from ``status.json``), ``run_uri`` and ``ui_url`` (``PREFECT_UI_URL``, or
+    ``None``). Runs appear in the order of their first row.
+    """
+    runs = runs or {}
+    by_run: dict[str, dict[str, list[Mapping[str, Any]]]] = {}
+    for r in rows:
+        by_run.setdefault(str(r["run_id"]), {}).setdefault(str(r.get("dataset") or "val"), []).append(r)
+    n_evals = sum(len(v) for ds in by_run.values() for v in ds.values())
+    out = [f"# Checkpoint evaluations: {_code(label)}", "", f"{len(by_run)} run(s), {n_evals} evaluation(s)."]
+    run_ids = list(by_run)
+    if len(run_ids) > max_runs:
+        out.append(f"The last {max_runs} runs are shown ({len(run_ids) - max_runs} older not shown).")
+        run_ids = run_ids[-max_runs:]
+    out.append("")
+    for run_id in run_ids:
+        out += [_run_header(run_id, runs.get(run_id) or {}), ""]
+        datasets = by_run[run_id]
+        names = sorted(datasets, key=lambda d: (d != "val", d))
+        if len(names) > MAX_DATASETS:
+            out += [f"{len(names) - MAX_DATASETS} more dataset(s) not shown.", ""]
+        for ds in names[:MAX_DATASETS]:
+            out += _dataset_section(ds, datasets[ds], table_rows)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def view_digest(markdown: str) -> str:
+    """Content digest of a view (16 hex digits of its SHA-256)."""
+    return hashlib.sha256(markdown.encode("utf-8")).hexdigest()[:16]
