@@ -33,6 +33,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
+from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
 from flows.crash_cleanup import mark_orphans_crashed
@@ -167,6 +168,7 @@ def dpo(
         write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.dpo.max_num_steps,
                      config_hash=chash, error=None, algorithm="dpo")
         log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri, chash, len(pairs), resume)
+        add_flow_run_tags(fid, [run_tag(run_id)])
         rt = setup_runtime(cfg, run_id, with_actors=False)
         if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
             recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
@@ -174,6 +176,7 @@ def dpo(
         with quiet_lifecycle_logs(cfg.logger.log_level):
             info = _run_steps(run, chash, lease, log)
         write_status(layout, opts, status="completed", last_step=cfg.dpo.max_num_steps, restored=info["restored"])
+        rename_flow_run(fid, run_id)
     except BaseException as exc:
         try:
             write_status(layout, opts, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])

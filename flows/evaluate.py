@@ -29,6 +29,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from flows.flow_run_meta import add_flow_run_tags, run_tag
 from flows.artifacts import publish_eval_table
 from flows.eval_view import is_prefix, target_label
 from flows.config import MasterConfig, load_config
@@ -56,27 +57,12 @@ def _sweep_run_name() -> str:
 
 
 def tag_eval_run(run_ids: Sequence[str]) -> None:
-    """Tag the current flow run ``run:<run_id>`` for each of ``run_ids`` (the tag of
-    :func:`flows.step.tag_flow_run`, which replaces a run's tags: this keeps the ones it has, e.g. a
-    deployment's ``nrl``, ``eval``), at most :data:`MAX_RUN_TAGS` run tags. Never raises."""
+    """Tag the current flow run ``run:<run_id>`` for each of ``run_ids``, keeping the tags it has
+    (e.g. a deployment's ``nrl``, ``eval``), at most :data:`MAX_RUN_TAGS` run tags. Never raises."""
     from prefect.runtime import flow_run
 
-    if not run_ids or not flow_run.id:
-        return
-    try:
-        import uuid
-
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            fr_id = uuid.UUID(flow_run.id)
-            tags = list(client.read_flow_run(fr_id).tags)
-            room = MAX_RUN_TAGS - sum(t.startswith("run:") for t in tags)
-            new = [t for t in dict.fromkeys(f"run:{r}" for r in run_ids) if t not in tags][: max(room, 0)]
-            if new:
-                client.update_flow_run(flow_run_id=fr_id, tags=tags + new)
-    except Exception as exc:  # noqa: BLE001 - cosmetic
-        get_run_logger().warning("tagging flow run %s with its runs failed: %s", flow_run.id, exc)
+    if run_ids and flow_run.id:
+        add_flow_run_tags(flow_run.id, [run_tag(r) for r in run_ids], max_run_tags=MAX_RUN_TAGS)
 
 
 def _run_info(root: str, run_id: str) -> dict[str, Any]:

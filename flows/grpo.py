@@ -51,7 +51,8 @@ from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
-from flows.step import StepPlan, rename_flow_run, tag_flow_run
+from flows.flow_run_meta import rename_flow_run
+from flows.step import StepPlan, tag_flow_run
 from flows.run_state import (
     check_storage_root,
     init_run,

@@ -2,7 +2,8 @@
 
 What a person watching the run in the Prefect UI wants at a glance: step ``k`` of ``N``, the latest
 and best reward, text curves of reward and eval accuracy (unicode sparklines: they render in any
-markdown, no image needed), time per step and ETA, the last checkpoint and the best one by
+markdown) and a small PNG plot of them (:mod:`flows.run_plot`, inline: Prefect's UI renders a
+data-URI image), time per step and ETA, the last checkpoint and the best one by
 ``checkpointing.metric_name``. Its size does not grow with the run: the curves are downsampled to
 at most :data:`CURVE_WIDTH` points, so the Prefect database grows by about the same number of
 bytes every step (each replacement is a new version of the keyed artifact).
@@ -78,8 +79,10 @@ def summary_markdown(
     metric_name: str = "val_accuracy",
     higher_is_better: bool = True,
     links: Mapping[str, str] | None = None,
+    plot: bool = True,
 ) -> str:
-    """The summary of a run from its metrics lines and checkpoints (see the module docstring)."""
+    """The summary of a run from its metrics lines and checkpoints (see the module docstring);
+    ``plot``: also the PNG plot of :mod:`flows.run_plot` (inline, as a data URI)."""
     if not rows:
         return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
     last = rows[-1]
@@ -116,4 +119,10 @@ def summary_markdown(
     lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
     if evals:
         lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
+    if plot:
+        from flows.run_plot import plot_data_uri
+
+        index = {int(r["step"]): i for i, r in enumerate(rows)}
+        uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals])
+        lines += ["", f"![reward per step (blue) and eval accuracy (red), steps {rows[0]['step']}..{step}]({uri})"]
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from flows.artifacts import (
     BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
 )
 from flows.run_summary import metrics_window, summary_markdown
+from flows.flow_run_meta import add_flow_run_tags, run_tag
 from flows.trackers import TrackerSet
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
@@ -49,7 +50,7 @@ from nrl_tasks.stages.refs import DatasetRef, StepRefs
 from nrl_tasks.stages.score import score
 from nrl_tasks.stages.train import train
 
-__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step", "rename_flow_run", "sampled_stages", "tag_flow_run"]
+__all__ = ["StepPlan", "data_stages", "grpo_step", "publish_step", "sampled_stages", "tag_flow_run"]
 
 
 @dataclass(frozen=True)
@@ -143,37 +144,13 @@ def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int) -> No
 
 
 def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
-    """Tag a flow run (the run's, or a step's subflow) ``run:<run_id>`` after it started.
+    """Tag a flow run (the run's, or a step's subflow) ``run:<run_id>`` after it started, keeping
+    its other tags (:mod:`flows.flow_run_meta`).
 
     Task runs carry no tags: on Prefect 3.9 every tagged task run acquires tag concurrency slots
     with a lease, a write on the server that waits behind the task-run recorder on SQLite (seconds
     per task under load); the run id and stage are in every task run's name instead."""
-    if not flow_run_id:
-        return
-    try:
-        import uuid
-
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run_id=uuid.UUID(flow_run_id), tags=[f"run:{run_id}"])
-    except Exception as exc:  # noqa: BLE001 - cosmetic
-        get_run_logger().debug("tagging flow run %s failed: %s", flow_run_id, exc)
-
-
-def rename_flow_run(flow_run_id: str | None, name: str) -> None:
-    """Rename a flow run (a finished GRPO run's flow run becomes its run id); cosmetic, never raises."""
-    if not flow_run_id:
-        return
-    try:
-        import uuid
-
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run_id=uuid.UUID(flow_run_id), name=name)
-    except Exception as exc:  # noqa: BLE001 - cosmetic
-        get_run_logger().debug("renaming flow run %s failed: %s", flow_run_id, exc)
+    add_flow_run_tags(flow_run_id, [run_tag(run_id)])
 
 
 def publish_step(

@@ -26,7 +26,8 @@ def test_summary_after_ten_steps():
 
 
 def test_summary_size_does_not_grow_with_the_run():
-    sizes = [len(summary_markdown("r", _rows(n), 10_000, checkpoints=[(n, f"c/step_{n:06d}")]).encode()) for n in (100, 1000, 5000)]
+    sizes = [len(summary_markdown("r", _rows(n), 10_000, checkpoints=[(n, f"c/step_{n:06d}")], plot=False).encode())
+             for n in (100, 1000, 5000)]  # the text; the plot's bound: test_summary_carries_a_small_png_plot...
     # once the curves are CURVE_WIDTH wide, only the digits of the step numbers differ
     assert sizes[0] <= sizes[1] and abs(sizes[2] - sizes[1]) < 40 and max(sizes) < 1500, sizes
     assert len(sparkline(list(range(5000)))) == CURVE_WIDTH
@@ -37,3 +38,26 @@ def test_empty_run_and_missing_values():
     assert "no step finished yet (0 of 5)" in summary_markdown("r", [], 5)
     md = summary_markdown("r", [{"step": 1, "reward_mean": None}], 5)
     assert "| reward (latest) | n/a |" in md and "| ETA | n/a |" in md
+
+
+def test_summary_carries_a_small_png_plot_of_reward_and_eval():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from flows.run_plot import SIZE
+    from flows.run_summary import summary_markdown
+
+    def plot_of(n: int) -> bytes:
+        rows = [{"step": i, "reward_mean": i / n, **({"val_accuracy": 0.5} if i % 5 == 0 else {})} for i in range(1, n + 1)]
+        md = summary_markdown("r", rows, n)
+        return base64.b64decode(md.split("(data:image/png;base64,", 1)[1].split(")", 1)[0])
+
+    png = plot_of(30)
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    assert img.size == SIZE
+    colours = set(img.getdata())
+    assert (31, 119, 180) in colours and (214, 39, 40) in colours  # the reward line and the eval dots
+    assert len(png) < 4096 and len(plot_of(3000)) < 4096  # small, whatever the run's length
+    assert "data:image" not in summary_markdown("r", [{"step": 1, "reward_mean": 0.1}], 3, plot=False)

@@ -1,0 +1,212 @@
+"""Screenshots of watching a run, taken in a real headless browser (Debian's ``chromium``).
+
+Not a benchmark: a reproducible tour of what a person sees. Everything is real and local:
+
+1. a private Prefect server with its UI (``prefect server start`` on 127.0.0.1, SQLite);
+2. a GRPO run of ``configs/grpo_tiny_demo.yaml`` (SFT warm start, then GRPO) through the ``nrl``
+   CLI, with TensorBoard on (and MLflow, given ``--mlflow-uri``); mid-run the run summary
+   artifact is captured (``summary-midrun.png``), after it the flow run's page and log
+   (``flow-run.png``);
+3. the ``eval-sweep`` flow served on a one-minute cron schedule (``Flow.serve``): after its first
+   scheduled run the eval view artifact is captured (``eval-view.png``);
+4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``), and the MLflow
+   run's metrics when an MLflow server was given (``mlflow.png``).
+
+    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} answered")
+        try:
+            urllib.request.urlopen(url, timeout=3).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer within {timeout_s:g} s") from None
+            time.sleep(0.5)
+
+
+def _api(api: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    req = urllib.request.Request(
+        f"{api}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
+        method="POST" if body is not None else "GET",
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or b"null")
+
+
+def shoot(url: str, path: str, *, width: int = 1500, height: int = 1100, budget_ms: int = 25_000) -> None:
+    """A PNG of ``url`` as headless Chromium renders it (JavaScript run for ``budget_ms`` of virtual time)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise RuntimeError("no chromium on PATH (Debian: apt-get install chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}",
+             f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}", f"--screenshot={path}", url],
+            check=True, capture_output=True, timeout=180,
+        )
+    print(f"[tour] {os.path.basename(path)}: {url}", flush=True)
+
+
+class Processes:
+    """Processes this tour started, stopped by PID (process group) at the end."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
+        fh = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            try:
+                self.stop(p)
+            except ProcessLookupError:
+                pass
+
+
+def _artifact_id(api: str, key: str) -> str | None:
+    rows = _api(api, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": [key]}}, "limit": 1})
+    return rows[0]["id"] if rows else None
+
+
+def _flow_runs(api: str, flow_name: str, state: str = "COMPLETED") -> list[dict[str, Any]]:
+    body = {"flows": {"name": {"any_": [flow_name]}}, "flow_runs": {"state": {"type": {"any_": [state]}}}, "limit": 20}
+    return _api(api, "/flow_runs/filter", body)
+
+
+def _metrics_steps(path: str) -> int:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return sum(1 for line in fh if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ui_tour", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="ui-screens")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--mlflow-uri", default=None, help="an MLflow server the run logs to (its UI is captured)")
+    args = ap.parse_args(argv)
+    from flows.artifacts import artifact_key
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="nrl-tour-")
+    port = _port()
+    api = f"http://127.0.0.1:{port}/api"
+    ui = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ, "PREFECT_HOME": os.path.join(tmp, "prefect"), "PREFECT_API_URL": api, "PREFECT_UI_URL": ui,
+        "PREFECT_SERVER_UI_API_URL": api, "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+    }
+    procs = Processes()
+    try:
+        server = procs.start([os.path.join(BIN, "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                             env, os.path.join(tmp, "server.log"))
+        _wait_http(f"{api}/health", 240, server)
+        run_id, root, logs = "tour", os.path.join(tmp, "runs"), os.path.join(tmp, "logs")
+        over = [f"warm_start.sft_steps={args.sft_steps}", f"grpo.max_num_steps={args.steps}", "checkpointing.save_period=5",
+                "grpo.val_period=5", "logger.tensorboard_enabled=true", f"logger.log_dir={logs}", "logger.console=false"]
+        if args.mlflow_uri:
+            over += ["logger.mlflow_enabled=true", f"logger.mlflow.tracking_uri={args.mlflow_uri}"]
+        train = procs.start([os.path.join(BIN, "nrl"), "grpo", "--config", "configs/grpo_tiny_demo.yaml", "--storage", root,
+                             "--run-id", run_id, *over], env, os.path.join(tmp, "grpo.log"))
+        metrics = os.path.join(root, run_id, "metrics.jsonl")
+        key = artifact_key(run_id, "summary")
+        while _metrics_steps(metrics) < args.steps // 2:
+            if train.poll() is not None:
+                raise RuntimeError(f"the grpo run ended early ({train.returncode}); see {tmp}/grpo.log")
+            time.sleep(2)
+        time.sleep(3)  # the summary is published off the training loop's critical path
+        aid = _artifact_id(api, key)
+        if aid:
+            shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-midrun.png"))
+        if train.wait(1800) != 0:
+            raise RuntimeError(f"the grpo run failed ({train.returncode}); see {tmp}/grpo.log")
+        grpo_run = next(r for r in _flow_runs(api, "grpo") if r["name"] == run_id)
+        shoot(f"{ui}/runs/flow-run/{grpo_run['id']}", os.path.join(out, "flow-run.png"), height=1400)
+
+        # the eval sweep on a cron schedule: its first scheduled run
+        serve_code = (
+            "from flows.evaluate import eval_sweep\n"
+            f"eval_sweep.serve(name='eval-sweep', cron='* * * * *', parameters={{'target': {root!r}, 'num_samples': 4}})\n"
+        )
+        served = procs.start([sys.executable, "-c", serve_code], env, os.path.join(tmp, "serve.log"))
+        deadline = time.monotonic() + 600
+        done = None
+        while done is None:
+            if served.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no scheduled eval sweep completed; see {tmp}/serve.log")
+            time.sleep(5)
+            done = next((r for r in _flow_runs(api, "eval-sweep") if r["state_type"] == "COMPLETED"), None)
+        procs.stop(served)
+        print(f"[tour] scheduled eval sweep {done['name']} completed", flush=True)
+        aid = _artifact_id(api, artifact_key(os.path.basename(root), "evals"))
+        if aid:
+            shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "eval-view.png"), height=1300)
+
+        tb_port = _port()
+        tb = procs.start([os.path.join(BIN, "tensorboard"), "--logdir", logs, "--host", "127.0.0.1", "--port", str(tb_port)],
+                         env, os.path.join(tmp, "tensorboard.log"))
+        _wait_http(f"http://127.0.0.1:{tb_port}/", 120, tb)
+        tag = urllib.parse.quote("train/reward_mean")
+        shoot(f"http://127.0.0.1:{tb_port}/?darkMode=false#timeseries&tagFilter={tag}", os.path.join(out, "tensorboard.png"))
+        if args.mlflow_uri:
+            links = [a for a in _api(api, "/artifacts/filter", {"artifacts": {"type": {"any_": ["link"]}}, "limit": 20})]
+            if links:
+                shoot(str(links[0]["data"]).split("](", 1)[-1].rstrip(")") if "](" in str(links[0]["data"]) else str(links[0]["data"]),
+                      os.path.join(out, "mlflow.png"))
+        print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
+    finally:
+        procs.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
