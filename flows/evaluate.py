@@ -24,7 +24,7 @@ anyway (by hand, or before the claim) is skipped with a warning and listed under
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -127,7 +127,27 @@ def evaluate_checkpoint(
         raise CheckpointVanishedError(f"checkpoint {checkpoint} of {run_id}: {res.get('reason')}")
     if res.get("busy"):
         raise RuntimeError(f"checkpoint {checkpoint} of {run_id} is being evaluated by another process; retry later")
+    if not res.get("skipped"):
+        report_to_trackers(cfg, run_id, [(_step, res) for _step in [parse_step_dir(checkpoint)] if _step is not None])
     return res
+
+
+def report_to_trackers(cfg: MasterConfig, run_id: str, results: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+    """Evaluations (``(training step, evaluate()'s result)``) as ``eval/<name>`` points in the
+    training run's own tracker runs (:mod:`flows.trackers`: the same TensorBoard directory, MLflow
+    run, W&B run), when its config enables any. Never raises."""
+    lg = cfg.logger
+    if not results or not (lg.tensorboard_enabled or lg.mlflow_enabled or lg.wandb_enabled):
+        return
+    from flows.trackers import open_trackers
+
+    names = {"eval_accuracy": "accuracy", "eval_pass_at_k": "pass_at_k", "eval_sample_reward_mean": "sample_reward_mean"}
+    trackers = open_trackers(cfg, run_id)
+    try:
+        for step, res in results:
+            trackers.log_eval(step, {v: res[k] for k, v in names.items() if res.get(k) is not None})
+    finally:
+        trackers.close()
 
 
 def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -222,6 +242,7 @@ def _sweep_run(
     cfg = load_run_config(run_id, root)
     layout = RunLayout(root, run_id)
     recs = None
+    done: list[tuple[int, Mapping[str, Any]]] = []
     for _step, ck_uri in list_checkpoints(layout.checkpoints_uri):
         name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
         label_ck = f"{run_id}/{name}"
@@ -241,5 +262,7 @@ def _sweep_run(
             out["skipped"].append(label_ck)  # committed by another sweep meanwhile
         else:
             out["evaluated"].append(label_ck)
+            done.append((_step, res))
             logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+    report_to_trackers(cfg, run_id, done)
     return _eval_rows(root, run_id, None)

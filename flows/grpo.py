@@ -61,7 +61,7 @@ from flows.run_state import (
     trained_prefix,
     write_status,
 )
-from flows.trackers import open_trackers
+from flows.trackers import open_trackers, publish_tracker_links
 from flows.warm_start import ensure_warm_start, with_warm_start_weights
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
@@ -194,6 +194,7 @@ def run_grpo_steps(
     have_lines = {int(r["step"]) for r in lines}
     trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.trackers: curves, resumed in place
     publisher.submit(trackers.sync, lines)  # what a crash kept from them
+    publisher.submit(publish_tracker_links, trackers.links(), run.run_id)  # e.g. the MLflow run, as a link artifact
     # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
     step_fn = grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn)
     if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:

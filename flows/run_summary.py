@@ -114,8 +114,8 @@ def summary_markdown(
         if ranked:
             v, s, uri = (max if higher_is_better else min)(ranked)
             lines.append(f"| best checkpoint ({metric_name}) | step {s} ({_fmt(v)}): `{uri}` |")
-    for name, url in (links or {}).items():
-        lines.append(f"| {name} | {url} |")
+    for name, url in (links or {}).items():  # tracker runs: a link, or where the files are
+        lines.append(f"| {name} | {f'[{url}]({url})' if url.startswith(('http://', 'https://')) else f'`{url}`'} |")
     lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
     if evals:
         lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")

@@ -133,13 +133,13 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
 
 
-def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int) -> None:
+def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None) -> None:
     """Build and publish the run summary (in the publisher's thread: it lists the checkpoints)."""
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     ck = run.cfg.checkpointing
     md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
-                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better)
+                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links)
     publish_summary(run.run_id, md)
 
 
@@ -187,7 +187,7 @@ def publish_step(
         if trackers is not None and publisher is not None:
             publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None:
-            publisher.submit(_publish_summary, run, rows, plan.max_steps)
+            publisher.submit(_publish_summary, run, rows, plan.max_steps, trackers.links() if trackers is not None else None)
             if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
                 publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
                 n = cfg.logger.num_rollouts_to_show

@@ -120,7 +120,8 @@ def trained_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
     from tests.flows.conftest import kill_run_actors, tiny_run_config
 
     root = str(tmp_path_factory.mktemp("evalview-runs"))
-    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.max_num_steps": 2, "checkpointing.save_period": 1})
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.max_num_steps": 2, "checkpointing.save_period": 1,
+                                                                 "logger.tensorboard_enabled": True, "logger.log_dir": f"{root}/logs"})
     try:
         grpo(config=cfg, run_id=RUN_ID)
     finally:
@@ -151,6 +152,14 @@ def test_eval_sweep_publishes_the_view_once_and_names_its_runs(trained_run, pref
     assert f"/runs/flow-run/{training_id})" in md and md.count("| ★ |") == 1 and "best: step_00000" in md
     assert "accuracy, step_000001..step_000002: `" in md and "pass@2, step_000001..step_000002: `" in md
     assert f"(file://{root}/{RUN_ID}/checkpoints/step_000002)" in md
+    # the evaluations are curves in the training run's own tracker run (TensorBoard here)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(root, "logs", RUN_ID, "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [1, 2]
+    assert [round(e.value, 6) for e in acc.Scalars("eval/accuracy")] == [round(r["accuracy"], 6) for r in
+                                                                         sorted(res["rows"], key=lambda r: r["checkpoint"])]
     run = _flow_run(first)
     assert name_re.match(run.name), run.name
     assert f"run:{RUN_ID}" in run.tags

@@ -147,7 +147,8 @@ def _mlflow_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, round(m.value, 6)) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
-@pytest.mark.parametrize("store", ["sqlite", "server"])
+# the real server (its own venv, ~80 s to build on a fresh clone) runs in the slow suite
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("server", marks=pytest.mark.slow)])
 def test_mlflow_resume_continues_the_same_run(store, tmp_path, request):
     from mlflow.tracking import MlflowClient
 
@@ -295,6 +296,7 @@ def test_wandb_offline_run_resumes_without_duplicates(tmp_path):
 # --- a tracking server killed mid-run (last: it restarts the module's server) -------------------
 
 
+@pytest.mark.slow
 def test_mlflow_server_down_mid_run_warns_and_catches_up_when_back(mlflow_server, tmp_path, caplog):
     from flows.config import MLflowConfig
     from flows.trackers_mlflow import MLflowTracker
