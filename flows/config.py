@@ -519,7 +519,8 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
 def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
     """The result-affecting part of ``cfg`` as JSON data (what :func:`config_hash` hashes).
 
-    ``grpo.async_grpo`` counts only when enabled: a synchronous run hashes as before it existed;
+    ``grpo.async_grpo`` and ``policy.dtensor_cfg.lora_cfg`` count only when enabled: a run
+    without them hashes as before they existed;
     likewise the keys of :data:`_ADDED_KEYS` count only when they differ from their default."""
     data = cfg.model_dump(mode="json", exclude=_HASH_EXCLUDE)
     if not cfg.grpo.async_grpo.enabled:
@@ -528,6 +529,8 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
         model = getattr(cfg, section)
         if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
             data[section].pop(key)
+    if not cfg.policy.dtensor_cfg.lora_cfg.enabled:  # a full-weights run hashes as before LoRA existed
+        data["policy"]["dtensor_cfg"].pop("lora_cfg", None)
     if cfg.dpo is None:  # a GRPO run hashes as before the section existed
         data.pop("dpo", None)
     if not cfg.warm_start.sft_steps:  # likewise a run without a warm start

@@ -19,6 +19,7 @@ from nrl_tasks.models.generation.interfaces import GenerationConfig
 __all__ = [
     "DTensorConfig",
     "DynamicBatchingConfig",
+    "LoRAConfig",
     "OptimizerConfig",
     "OptimizerKwargs",
     "PolicyConfig",
@@ -109,9 +110,59 @@ class SchedulerConfig(_Strict):
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
+LORA_A_INITS = ("xavier", "kaiming")
+
+
+class LoRAConfig(_Strict):
+    """NeMo-RL's ``dtensor_cfg.lora_cfg``: low-rank adapters (``peft``) on the HF policy.
+
+    ``match_all_linear``: every ``nn.Linear`` except the output layer (peft's ``"all-linear"``),
+    minus ``exclude_modules``; otherwise exactly ``target_modules`` (module-name suffixes such as
+    ``q_proj``), minus ``exclude_modules``. Names are checked against the model when it is built.
+    Scaling is ``alpha / dim`` (no rsLoRA); ``dropout`` applies to the adapter input.
+    ``lora_A_init`` (B always starts at zero, so the adapted model starts equal to the base):
+    ``"kaiming"`` is peft's ``init_lora_weights=True`` (``kaiming_uniform_(a=sqrt(5))``, which is
+    also NeMo's ``kaiming``); ``"xavier"`` (NeMo-RL's default, no peft option) builds with peft's
+    default and then redraws A with ``torch.nn.init.xavier_normal_`` from the seeded RNG.
+    ``save_merged`` (not a NeMo-RL key): checkpoints also get ``<weights>_merged/``, an HF folder
+    with ``W + alpha/dim * B @ A`` that ``from_pretrained`` loads without peft.
+    """
+
+    enabled: bool = False
+    target_modules: list[str] = Field(default_factory=list)
+    exclude_modules: list[str] = Field(default_factory=list)
+    match_all_linear: bool = True
+    dim: int = Field(8, ge=1)
+    alpha: float = Field(32.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_A_init: str = "xavier"
+    save_merged: bool = False
+
+    @field_validator("lora_A_init")
+    @classmethod
+    def _init(cls, v: str) -> str:
+        if v not in LORA_A_INITS:
+            raise ValueError(f"dtensor_cfg.lora_cfg.lora_A_init must be one of {list(LORA_A_INITS)}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoRAConfig":
+        if not self.enabled:
+            return self
+        if self.match_all_linear and self.target_modules:
+            raise ValueError(
+                "dtensor_cfg.lora_cfg.target_modules must be empty with match_all_linear=true "
+                f"(got {self.target_modules}); set match_all_linear=false to pick modules"
+            )
+        if not self.match_all_linear and not self.target_modules:
+            raise ValueError("dtensor_cfg.lora_cfg.target_modules is empty and match_all_linear is false: nothing to adapt")
+        return self
+
+
 class DTensorConfig(_Strict):
     """NeMo-RL's ``dtensor_cfg``. Here: plain data parallelism (explicit gradient all-reduce);
-    tensor/context parallelism and CPU offload of parameters are not supported (must stay 1/off)."""
+    tensor/context parallelism and CPU offload of parameters are not supported (must stay 1/off).
+    ``lora_cfg``: see :class:`LoRAConfig` (off by default)."""
 
     enabled: bool = True
     cpu_offload: bool = False
@@ -120,6 +171,7 @@ class DTensorConfig(_Strict):
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     custom_parallel_plan: str | None = None
+    lora_cfg: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "DTensorConfig":
@@ -216,7 +268,14 @@ class PolicyConfig(_Strict):
                 f"train_micro_batch_size ({self.train_micro_batch_size}) exceeds train_global_batch_size "
                 f"({self.train_global_batch_size})"
             )
+        if self.dtensor_cfg.lora_cfg.enabled and self.reward_model_cfg.enabled:
+            raise ValueError("dtensor_cfg.lora_cfg.enabled is not supported with reward_model_cfg.enabled")
         return self
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA settings when LoRA is on, else None."""
+        return self.dtensor_cfg.lora_cfg if self.dtensor_cfg.lora_cfg.enabled else None
 
     @property
     def tokenizer_path(self) -> str:
@@ -238,7 +297,10 @@ class PolicyConfig(_Strict):
 
     def config_hash(self) -> str:
         """SHA-256 of the canonical JSON form (identifies the config a live policy runs)."""
-        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        if not self.dtensor_cfg.lora_cfg.enabled:  # hashes as before the key existed
+            data["dtensor_cfg"].pop("lora_cfg")
+        payload = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def diff(self, other: "PolicyConfig") -> list[str]:

@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 
 class CheckpointMixin:
     """Expects ``self.model``, ``self.optimizer``, ``self.scheduler``, ``self.param_names``,
-    ``self.tokenizer``, ``self.rank``, ``self.world_size``, ``self.weights_version``."""
+    ``self.tokenizer``, ``self.rank``, ``self.world_size``, ``self.weights_version``, ``self.cfg``
+    and ``self._load_weights(path)``. With LoRA ``self.model.save_pretrained`` is peft's: the
+    weights dir holds the adapter (``adapter_config.json`` + ``adapter_model.safetensors``)."""
 
     def get_rng_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return capture_rng_state()
@@ -34,15 +36,35 @@ class CheckpointMixin:
         rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
         storage_options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Rank 0 writes weights (HF safetensors), optimizer+scheduler+RNG and tokenizer dirs;
-        ``s3://`` paths are written to a temp dir on this node and uploaded from here."""
+        """Rank 0 writes weights (HF safetensors; with LoRA the peft adapter, plus the merged HF
+        folder ``<weights_path>_merged`` when ``lora_cfg.save_merged``), optimizer+scheduler+RNG
+        and tokenizer dirs; ``s3://`` paths are written to a temp dir on this node and uploaded
+        from here."""
         self._require_valid_weights("save_checkpoint")  # never persist weights a failed step broke
         if self.rank != 0:
             return {}
+        lora = self.cfg.lora
+        if weights_path and lora is not None and lora.save_merged:
+            from nrl_tasks.models.policy.workers.lora import merged_weights_path
+
+            merged = merged_weights_path(weights_path)
+            with staged_uploads((merged,), storage_options) as (m,):
+                self._write_merged_dir(m)
         paths = (weights_path, optimizer_path, tokenizer_path)
         with staged_uploads(paths, storage_options) as (w, o, t):
             self._write_checkpoint_dirs(w, o, t, rng_states)
         return {k: v for k, v in zip(("weights_path", "optimizer_path", "tokenizer_path"), paths) if v}
+
+    def _write_merged_dir(self, path: str) -> None:
+        """The merged LoRA weights as a plain HF folder (atomically), with the tokenizer if any."""
+        from nrl_tasks.models.policy.workers.lora import save_merged
+
+        def write(tmp: str) -> None:
+            save_merged(self.model, tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+
+        ckpt.write_dir_atomically(path, write)
 
     def _write_checkpoint_dirs(
         self,
@@ -84,7 +106,7 @@ class CheckpointMixin:
         named = [("weights_path", weights_path), ("optimizer_path", optimizer_path)]
         with local_copies(named, storage_options) as (w, o):
             if w:
-                ckpt.load_hf_weights_into(self.model, w)
+                self._load_weights(w)
             if o:
                 self._load_optimizer_and_rng(o)
         if w and (o or self.optimizer is None):

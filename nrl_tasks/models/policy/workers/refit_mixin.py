@@ -5,6 +5,12 @@ each tensor once (a tied ``lm_head.weight`` that aliases the embedding is skippe
 tensors cast to the refit dtype (the generation precision, else the policy precision); integer
 buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group);
 the other ranks hold identical weights and do nothing.
+
+With LoRA (``dtensor_cfg.lora_cfg.enabled``) the source is
+:func:`~nrl_tasks.models.policy.workers.lora.merged_named_tensors`: the base model's state dict
+under the HF names with ``W + scale * B @ A`` in place of each adapted weight (copies; the live
+weights are untouched), so generation backends receive a plain HF state dict. Phase 2 would send
+only the adapter tensors here instead.
 """
 
 from __future__ import annotations
@@ -45,8 +51,17 @@ class RefitMixin:
             return tensor.to(self._refit_dtype())
         return tensor
 
+    def _refit_source(self, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a refit sends, before the cast (``merge=False``: same names and shapes,
+        without computing LoRA merges)."""
+        if self.cfg.lora is not None:
+            from nrl_tasks.models.policy.workers.lora import merged_named_tensors
+
+            return merged_named_tensors(self.model, merge=merge)
+        return refit_named_tensors(self.model)
+
     def _refit_items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in refit_named_tensors(self.model):
+        for name, tensor in self._refit_source():
             yield name, self._cast_for_refit((name, tensor))
 
     def prepare_refit_info(self) -> dict[str, Any] | None:
@@ -60,7 +75,7 @@ class RefitMixin:
         dtype = self._refit_dtype()
         shapes = (
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
-            for n, t in refit_named_tensors(self.model)
+            for n, t in self._refit_source(merge=False)
         )
         self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version)
         return self._refit_info.to_dict()
@@ -98,7 +113,7 @@ class RefitMixin:
         size = self._refit_info.buffer_size_bytes if self._refit_info is not None else get_target_packed_tensor_size()
         with torch.no_grad():
             packed_broadcast_producer(
-                refit_named_tensors(self.model),
+                self._refit_source(),
                 self._refit_group,
                 0,
                 self._cast_for_refit,
@@ -107,7 +122,8 @@ class RefitMixin:
         return True
 
     def weights_checksum(self, as_sent: bool = True) -> str:
-        """``weights_checksum`` of the refit tensors (cast as sent, or the master weights)."""
+        """``weights_checksum`` of the refit tensors (cast as sent, or the master weights; with
+        LoRA "as sent" is the merged weights, the master weights are base + adapter tensors)."""
         self._require_valid_weights("weights_checksum")
         from nrl_tasks.utils.refit import weights_checksum
 

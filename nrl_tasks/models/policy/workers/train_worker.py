@@ -2,7 +2,11 @@
 
 A Ray actor holding a Hugging Face model, its AdamW optimizer and LR scheduler, and the
 *reference* weights (the initial weights, as a CPU copy that is swapped in for reference
-logprobs; no second model). Ranks form a default ``torch.distributed`` process group (gloo on
+logprobs; no second model). With ``dtensor_cfg.lora_cfg.enabled`` the model is a ``peft`` LoRA
+model: the optimizer holds only the adapters, the reference is the base model with the
+adapters disabled (no copy kept), refits and ``weights_checksum`` see the merged weights under
+the HF names and checkpoints hold the adapter (:mod:`~nrl_tasks.models.policy.workers.lora`).
+Ranks form a default ``torch.distributed`` process group (gloo on
 CPU, NCCL on GPU) used for the gradient all-reduce and global token counts.
 
 Ray is not needed to import or use the class: without Ray it runs in-process as a single rank
@@ -151,10 +155,10 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         if self.init_optimizer and not self.cfg.reward_model_cfg.enabled:
             self.optimizer = build_optimizer(named, self.cfg.optimizer)
             self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
-        if self.init_reference_model and not self.cfg.reward_model_cfg.enabled:
+        if self.init_reference_model and not self.cfg.reward_model_cfg.enabled and self.cfg.lora is None:
             self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._swappable().items()}
         if self.weights_path:
-            ckpt.load_hf_weights_into(self.model, self.weights_path)
+            self._load_weights(self.weights_path)
         if self.optimizer_path:
             self._load_optimizer_and_rng(self.optimizer_path)
         self._invalid_weights = None
@@ -173,8 +177,26 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             model = auto.from_config(AutoConfig.from_pretrained(path, local_files_only=True), dtype=torch.float32)
         else:
             model = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        if self.cfg.lora is not None:
+            from nrl_tasks.models.policy.workers.lora import is_adapter_dir, wrap_with_lora
+
+            if is_adapter_dir(path):  # e.g. a LoRA warm start: stacking adapters is not supported
+                raise ValueError(
+                    f"model_name {path!r} is a LoRA adapter folder; with dtensor_cfg.lora_cfg.enabled it must be "
+                    "a full HF model (use a checkpoint's merged weights, lora_cfg.save_merged)"
+                )
+            model = wrap_with_lora(model, self.cfg.lora)
         self.model = model.to(self.device)
         self.model.train()
+
+    def _load_weights(self, path: str) -> None:
+        """Weights of a checkpoint into the live model: the adapter with LoRA, else HF weights."""
+        if self.cfg.lora is not None:
+            from nrl_tasks.models.policy.workers.lora import load_adapter_into
+
+            load_adapter_into(self.model, path)
+        else:
+            ckpt.load_hf_weights_into(self.model, path)
 
     def _swappable(self) -> dict[str, torch.Tensor]:
         """Parameters (tied ones once) and persistent buffers, by name."""
@@ -243,9 +265,10 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """``{"reference_logprobs": [B, S]}``: logprobs under the initial weights."""
+        """``{"reference_logprobs": [B, S]}``: logprobs under the initial weights (with LoRA: the
+        base model, adapters disabled)."""
         self._require_ready()
-        if self.reference is None:
+        if self.reference is None and not (self.cfg.lora is not None and self.init_reference_model):
             raise ValueError("this policy was created with init_reference_model=False: no reference weights")
         with self._use_reference():
             out = self.get_logprobs(data, micro_batch_size)
@@ -253,6 +276,10 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
 
     @contextlib.contextmanager
     def _use_reference(self):
+        if self.cfg.lora is not None:
+            with self.model.disable_adapter():
+                yield
+            return
         live = self._swappable()
         saved = {n: t.data for n, t in live.items()}
         try:

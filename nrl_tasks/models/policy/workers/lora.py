@@ -1,0 +1,171 @@
+"""LoRA on the HF policy (``policy.dtensor_cfg.lora_cfg``), built with ``peft``.
+
+The algorithm, when ``lora_cfg.enabled``:
+
+1. build: the HF model (float32 master weights) is wrapped with ``peft.get_peft_model``
+   (:func:`wrap_with_lora`); peft freezes every base parameter, so only the adapter matrices
+   ``lora_A``/``lora_B`` require grad, and the worker's optimizer (built from the parameters
+   that require grad) holds only them. B starts at zero: the wrapped model equals the base.
+2. reference logprobs: the base model is the reference, so no copy of the initial weights is
+   kept; the worker runs the forward inside ``model.disable_adapter()``.
+3. refit / generation weights: :func:`merged_named_tensors` gives the state dict of the *base
+   HF model*, with its original parameter names and order, where each adapted ``weight`` is a
+   new tensor ``W + alpha/dim * B @ A`` (peft's ``get_delta_weight``). The live base weights are
+   never touched: peft's ``merge_adapter``/``unmerge_adapter`` would do ``W += d; W -= d``, which
+   does not give back ``W`` bit for bit in float32, so a merged *copy* is computed instead (same
+   arithmetic as peft's merge, so the same bits as a merge). Existing generation backends receive
+   a plain HF state dict and need no LoRA support.
+4. checkpoints: ``weights/`` holds the adapter in peft's format (``adapter_config.json`` +
+   ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, path)``);
+   with ``save_merged`` a sibling ``<weights>_merged/`` holds the merged HF safetensors.
+   A restore copies the adapter tensors into the live peft model (bit-exact).
+
+Phase 2 (not built here): an adapters-only refit would replace step 3 in the refit mixin: the
+generation workers keep the base weights once and receive only the ``lora_A``/``lora_B``
+tensors through the packed broadcast (and vLLM would serve them as a LoRA adapter).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ADAPTER_FILE",
+    "is_adapter_dir",
+    "load_adapter_into",
+    "merged_named_tensors",
+    "merged_weights_path",
+    "save_merged",
+    "wrap_with_lora",
+]
+
+ADAPTER_FILE = "adapter_model.safetensors"
+_KEY = "policy.dtensor_cfg.lora_cfg"
+
+
+def merged_weights_path(weights_path: str) -> str:
+    """Where ``save_merged`` writes the merged HF folder: ``<weights_path>_merged`` (a sibling)."""
+    return weights_path.rstrip("/") + "_merged"
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def _unknown(names: list[str], modules: list[str]) -> list[str]:
+    """Entries of ``names`` that match no module (peft matches a name or a dotted suffix)."""
+    return [t for t in names if not any(m == t or m.endswith("." + t) for m in modules)]
+
+
+def wrap_with_lora(model: torch.nn.Module, cfg: Any) -> Any:
+    """``peft.get_peft_model(model, ...)`` for ``cfg`` (a ``LoRAConfig``), after checking that
+    every ``target_modules`` / ``exclude_modules`` entry names a module of ``model`` (a
+    ``ValueError`` naming the key and the unknown names otherwise). With ``lora_A_init="xavier"``
+    every ``lora_A`` is redrawn with ``xavier_normal_`` (in module order, from torch's RNG)."""
+    from peft import LoraConfig, get_peft_model
+
+    all_modules = [name for name, _ in model.named_modules() if name]
+    linear = _linear_names(model)
+    for key, names in (("target_modules", cfg.target_modules), ("exclude_modules", cfg.exclude_modules)):
+        unknown = _unknown(list(names), all_modules)
+        if unknown:
+            short = sorted({n.rsplit(".", 1)[-1] for n in linear})
+            raise ValueError(f"{_KEY}.{key}: no module named {unknown} in the model (its linear modules: {short})")
+    peft_cfg = LoraConfig(
+        r=cfg.dim,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if cfg.match_all_linear else list(cfg.target_modules),
+        exclude_modules=list(cfg.exclude_modules) or None,
+        init_lora_weights=True,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    wrapped = get_peft_model(model, peft_cfg)
+    if cfg.lora_A_init == "xavier":
+        with torch.no_grad():
+            for name, param in wrapped.named_parameters():
+                if ".lora_A." in name:
+                    torch.nn.init.xavier_normal_(param)
+    return wrapped
+
+
+def _lora_layers(base: torch.nn.Module) -> dict[str, Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+
+
+def merged_named_tensors(model: Any, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the base HF model's state dict with the HF names and order (peft's
+    ``base_layer`` removed, adapter tensors left out, aliases once), each adapted ``weight`` as a
+    new tensor ``W + scale * B @ A`` (``merge=False``: the base ``W`` itself, for shapes only).
+    The live weights are not changed."""
+    base = model.get_base_model()
+    layers = _lora_layers(base)
+    seen: set[int] = set()
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        parts = name.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            continue
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if "base_layer" in parts:
+            at = parts.index("base_layer")
+            owner = ".".join(parts[:at])
+            hf_name = ".".join(parts[:at] + parts[at + 1 :])
+            layer = layers.get(owner)
+            if merge and layer is not None and parts[at + 1 :] == ["weight"]:
+                with torch.no_grad():
+                    delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+                    yield hf_name, tensor.detach() + delta.to(tensor.dtype)
+                continue
+            yield hf_name, tensor.detach()
+        else:
+            yield name, tensor.detach()
+
+
+def save_merged(model: Any, path: str) -> None:
+    """Write the merged weights (:func:`merged_named_tensors`) as an HF folder at ``path`` that
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads without peft."""
+    state = {n: t.contiguous() for n, t in merged_named_tensors(model)}
+    model.get_base_model().save_pretrained(path, state_dict=state)
+
+
+def is_adapter_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+@torch.no_grad()
+def load_adapter_into(model: Any, path: str) -> int:
+    """Copy the adapter tensors of peft folder ``path`` into the live peft ``model`` (bit-exact).
+    ``ValueError`` naming the path and the first tensor when the adapter does not fit."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, ADAPTER_FILE)
+    if not (is_adapter_dir(path) and os.path.isfile(file)):
+        raise ValueError(
+            f"weights_path {path!r} holds no LoRA adapter (adapter_config.json + {ADAPTER_FILE}); "
+            f"{_KEY}.enabled expects one"
+        )
+    loaded = load_file(file)
+    expected = get_peft_model_state_dict(model)
+    missing, extra = sorted(set(expected) - set(loaded)), sorted(set(loaded) - set(expected))
+    if missing or extra:
+        raise ValueError(f"adapter in {path!r} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, tensor in loaded.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"adapter tensor {name!r} in {path!r} has shape {list(tensor.shape)}, "
+                f"the model expects {list(expected[name].shape)}"
+            )
+    result = set_peft_model_state_dict(model, loaded)
+    if result.unexpected_keys:
+        raise ValueError(f"adapter in {path!r}: tensors not used by the model: {result.unexpected_keys[:3]}")
+    return len(loaded)
