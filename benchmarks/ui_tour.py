@@ -109,7 +109,7 @@ class Processes:
 
 def _artifact_id(api: str, key: str) -> str | None:
     rows = _api(api, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": [key]}}, "limit": 1})
-    return rows[0]["id"] if rows else None
+    return rows[0]["latest_id"] if rows else None  # the collection's newest version
 
 
 def _flow_runs(api: str, flow_name: str, state: str = "COMPLETED") -> list[dict[str, Any]]:
@@ -196,12 +196,15 @@ def main(argv: list[str] | None = None) -> int:
                          env, os.path.join(tmp, "tensorboard.log"))
         _wait_http(f"http://127.0.0.1:{tb_port}/", 120, tb)
         tag = urllib.parse.quote("train/reward_mean")
-        shoot(f"http://127.0.0.1:{tb_port}/?darkMode=false#timeseries&tagFilter={tag}", os.path.join(out, "tensorboard.png"))
+        shoot(f"http://127.0.0.1:{tb_port}/?darkMode=false&tagFilter={tag}#timeseries", os.path.join(out, "tensorboard.png"))
         if args.mlflow_uri:
-            links = [a for a in _api(api, "/artifacts/filter", {"artifacts": {"type": {"any_": ["link"]}}, "limit": 20})]
-            if links:
-                shoot(str(links[0]["data"]).split("](", 1)[-1].rstrip(")") if "](" in str(links[0]["data"]) else str(links[0]["data"]),
-                      os.path.join(out, "mlflow.png"))
+            aid = _artifact_id(api, artifact_key(run_id, "mlflow"))
+            if aid is None:
+                keys = [a["key"] for a in _api(api, "/artifacts/latest/filter", {"limit": 50})]
+                raise RuntimeError(f"no MLflow link artifact; the artifact keys: {keys}")
+            link = _api(api, f"/artifacts/{aid}")["data"]  # "[text](url)"
+            url = link.split("](", 1)[1].rstrip(")") if "](" in link else link
+            shoot(url + "/model-metrics", os.path.join(out, "mlflow.png"), height=2600)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()
