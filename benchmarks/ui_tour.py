@@ -9,8 +9,9 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
    (``flow-run.png``);
 3. the ``eval-sweep`` flow served on a one-minute cron schedule (``Flow.serve``): after its first
    scheduled run the eval view artifact is captured (``eval-view.png``);
-4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``), and the MLflow
-   run's metrics when an MLflow server was given (``mlflow.png``).
+4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``; its WebGL line
+   may not draw in a headless browser), and the MLflow run's reward curve when an MLflow server was
+   given (``mlflow.png``, from the Prefect link artifact to the run).
 
     python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000]
 """
@@ -71,7 +72,7 @@ def shoot(url: str, path: str, *, width: int = 1500, height: int = 1100, budget_
         raise RuntimeError("no chromium on PATH (Debian: apt-get install chromium)")
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}",
+            [chromium, "--headless", "--no-sandbox", "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--hide-scrollbars", f"--user-data-dir={profile}",
              f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}", f"--screenshot={path}", url],
             check=True, capture_output=True, timeout=180,
         )
@@ -204,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"no MLflow link artifact; the artifact keys: {keys}")
             link = _api(api, f"/artifacts/{aid}")["data"]  # "[text](url)"
             url = link.split("](", 1)[1].rstrip(")") if "](" in link else link
-            shoot(url + "/model-metrics", os.path.join(out, "mlflow.png"), height=2600)
+            base, exp_run = url.split("/#/experiments/", 1)
+            exp, mlflow_run = exp_run.split("/runs/", 1)
+            q = lambda v: urllib.parse.quote(json.dumps(v))  # noqa: E731 - MLflow's metric page takes JSON values
+            shoot(f"{base}/#/metric?runs={q([mlflow_run])}&metric={q('train/reward_mean')}&experiments={q([exp])}"
+                  f"&plot_metric_keys={q(['train/reward_mean'])}&x_axis=step", os.path.join(out, "mlflow.png"), height=1000)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()
