@@ -39,3 +39,9 @@ def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_
     mask = gen["token_mask"][:, 1:].bool()
     diff = (gen["generation_logprobs"][:, 1:] - lp["prev_logprobs"][:, 1:]).abs()[mask]
     assert bool(mask.any()) and float(diff.max()) < 1e-3, float(diff.max())
+    # the eval sweep evaluates the adapter checkpoints as they are (base + adapter, merged on load)
+    from flows.evaluate import eval_sweep
+
+    res = eval_sweep("lora-tiny", storage=root, num_samples=2, max_prompts=4)
+    assert sorted(res["evaluated"]) == ["lora-tiny/step_000002"], res
+    assert [r["accuracy"] is not None for r in res["rows"]] == [True]

@@ -195,7 +195,8 @@ class HfGenerationWorker(GenerationWorkerBase):
 
     Args:
         config: :class:`GenerationConfig` (or its dict).
-        model_path: local HF folder (model + tokenizer); default ``config.model_name``.
+        model_path: local HF folder (model + tokenizer), or a PEFT adapter folder (its base model
+            with the adapter merged in); default ``config.model_name``.
     """
 
     def __init__(self, config: dict[str, Any] | GenerationConfig, model_path: str | None = None) -> None:
@@ -211,9 +212,16 @@ class HfGenerationWorker(GenerationWorkerBase):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, self.cfg.precision)
         self.model_path = path
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint: base + adapter, merged
+            from nrl_tasks.models.policy.workers.lora import load_adapter_model
+
+            model = load_adapter_model(path, self.dtype)
+            tok_path = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else model.name_or_path
+        else:
+            model, tok_path = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype), path
+        self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self._generator = torch.Generator(device=self.device).manual_seed(int(self.cfg.seed) + 7919 * self.rank)
 
     def ready(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ __all__ = [
     "ADAPTER_FILE",
     "is_adapter_dir",
     "load_adapter_into",
+    "load_adapter_model",
     "merged_named_tensors",
     "merged_weights_path",
     "save_merged",
@@ -139,6 +140,23 @@ def save_merged(model: Any, path: str) -> None:
 
 def is_adapter_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def load_adapter_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A plain HF model of a PEFT adapter folder: its base (``base_model_name_or_path`` of
+    ``adapter_config.json``) with the adapter merged in. How generation workers and the eval sweep
+    load an adapter checkpoint as it is, with no conversion step by the user."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
+        base_path = json.load(fh).get("base_model_name_or_path")
+    if not base_path or not os.path.isdir(base_path):
+        raise ValueError(f"LoRA adapter {path!r}: its base model {base_path!r} (adapter_config.json) is not a local folder")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    return PeftModel.from_pretrained(base, path).merge_and_unload()
 
 
 @torch.no_grad()
