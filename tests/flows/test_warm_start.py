@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import yaml
 
 from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
@@ -21,6 +22,7 @@ def _flow_run_name(flow_run_id: str) -> str:
         return client.read_flow_run(uuid.UUID(flow_run_id)).name
 
 
+@pytest.mark.slow  # ~70 s (an SFT run and two GRPO flow runs): keeps `make test` under 15 minutes
 def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from flows.config import config_hash, load_config
     from flows.grpo import grpo
