@@ -19,7 +19,7 @@ the step's committed datasets and checkpoint (:func:`rebuild_step_metrics`), mar
 ``"rebuilt": true``; the file is then rewritten atomically. A rebuilt line holds every figure
 the manifests hold (rewards, loss, tokens, each stage's ``<stage>_s``, ``val_accuracy``,
 ``checkpoint_s`` of checkpoints that record their seconds) but not what only the flow run knew:
-``refit_s``, ``step_s`` and the attempts columns (``None``: unknown), and ``compute_s`` /
+``refit_s``, ``refit_mb``, ``step_s`` and the attempts columns (``None``: unknown), and ``compute_s`` /
 ``stages_s`` without the refit. Datasets deleted by retention leave their figures ``None``.
 """
 
@@ -170,6 +170,8 @@ def build_step_metrics(
         total += s or 0.0
     if refit is not None:
         row["refit_s"] = refit.get("seconds")
+        if refit.get("bytes") is not None:
+            row["refit_mb"] = round(refit["bytes"] / 1e6, 3)
         total += refit.get("seconds") or 0.0
     if checkpoint is not None and not checkpoint.get("skipped"):
         row["checkpoint_s"] = checkpoint.get("seconds")

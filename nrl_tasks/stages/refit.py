@@ -105,7 +105,8 @@ def refit_weights(
     on_actor_call: ActorCallHook | None = None,
     on_streaming: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """One refit attempt (see the module docstring). Returns ``{"seconds", "weights_version", ...}``.
+    """One refit attempt (see the module docstring). Returns ``{"seconds", "weights_version",
+    "bytes", ...}`` (``bytes``: what the broadcast carried).
 
     ``on_actor_call(role, workers)`` runs right before the broadcast calls into each side,
     ``on_streaming()`` while both sides stream (the stage's observers). Raises
@@ -140,8 +141,11 @@ def refit_weights(
     got = generation.weights_version
     if got != weights_version:
         raise RefitFailedError(f"after refit the generation workers report version {got}, expected {weights_version}")
+    from nrl_tasks.utils.refit import RefitInfo
+
     out: dict[str, Any] = {
         "weights_version": int(weights_version),
+        "bytes": RefitInfo.from_dict(info).total_bytes,  # the adapters only, for a LoRA policy on hf
         "seconds": t2 - t0,
         "setup_seconds": t1 - t0,
         "broadcast_seconds": t2 - t1,

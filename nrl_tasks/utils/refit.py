@@ -15,6 +15,12 @@ Weights version convention: an ``int`` starting at 0 for the initial weights. Th
 it by one after each ``train`` step; a refit carries the trainer's current version in
 ``RefitInfo.weights_version`` and the generation workers adopt it only once the refit finished;
 ``generate`` refuses to run on any other version than the one it is asked for.
+
+Adapters-only refits (LoRA): ``RefitInfo.adapter`` is then the adapter layout, ``{"r", "alpha",
+"modules"}`` (the adapted module names of the HF model, in order), and the metadata lists only
+the ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` tensors. The layout is part of the
+fingerprint, so a consumer that would apply the tensors with another rank, scale or module set
+fails the check before any byte moves. Full refits carry no ``adapter`` and fingerprint as before.
 """
 
 from __future__ import annotations
@@ -102,12 +108,16 @@ def _normalize(metadata: Iterable[Any]) -> RefitMetadata:
     return out
 
 
-def refit_fingerprint(metadata: Iterable[Any], buffer_size_bytes: int) -> str:
-    """SHA-256 (hex) of the metadata list and the packed-buffer size; equal iff both agree."""
+def refit_fingerprint(metadata: Iterable[Any], buffer_size_bytes: int, adapter: dict[str, Any] | None = None) -> str:
+    """SHA-256 (hex) of the metadata list, the packed-buffer size and (adapters-only refits) the
+    adapter layout; equal iff all agree."""
     if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 1:
         raise ValueError(f"buffer_size_bytes must be a positive int, got {buffer_size_bytes!r}")
     canonical = [[n, list(s), dtype_to_str(d)] for n, s, d in _normalize(metadata)]
-    payload = json.dumps({"buffer_size_bytes": buffer_size_bytes, "tensors": canonical}, separators=(",", ":"))
+    body: dict[str, Any] = {"buffer_size_bytes": buffer_size_bytes, "tensors": canonical}
+    if adapter is not None:
+        body["adapter"] = adapter
+    payload = json.dumps(body, separators=(",", ":"), sort_keys=adapter is not None)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -158,24 +168,40 @@ def check_fingerprints(
 
 @dataclass
 class RefitInfo:
-    """What a producer announces before a refit: metadata, fingerprint, buffer size, weights version."""
+    """What a producer announces before a refit: metadata, fingerprint, buffer size, weights
+    version, and for an adapters-only refit the adapter layout (``None``: a full refit)."""
 
     metadata: RefitMetadata
     fingerprint: str
     buffer_size_bytes: int
     weights_version: int
+    adapter: dict[str, Any] | None = None
 
     @classmethod
-    def build(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], buffer_size_bytes: int, weights_version: int) -> RefitInfo:
+    def build(
+        cls,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        buffer_size_bytes: int,
+        weights_version: int,
+        adapter: dict[str, Any] | None = None,
+    ) -> RefitInfo:
         """Metadata and fingerprint of ``named_tensors`` (shapes and dtypes as sent)."""
         metadata = refit_metadata(named_tensors)
-        return cls(metadata, refit_fingerprint(metadata, buffer_size_bytes), buffer_size_bytes, int(weights_version))
+        fingerprint = refit_fingerprint(metadata, buffer_size_bytes, adapter)
+        return cls(metadata, fingerprint, buffer_size_bytes, int(weights_version), adapter)
 
-    def check(self, expected_metadata: Iterable[Any], buffer_size_bytes: int | None = None) -> None:
-        """Receiver side: raise :class:`RefitMismatchError` unless this info matches what it expects."""
+    def check(
+        self, expected_metadata: Iterable[Any], buffer_size_bytes: int | None = None, adapter: dict[str, Any] | None = None
+    ) -> None:
+        """Receiver side: raise :class:`RefitMismatchError` unless this info matches what it
+        expects (``adapter``: the layout the receiver applies the tensors with)."""
         size = self.buffer_size_bytes if buffer_size_bytes is None else buffer_size_bytes
         expected = _normalize(expected_metadata)
-        check_fingerprints(expected, refit_fingerprint(expected, size), self.metadata, self.fingerprint)
+        if (adapter is None) != (self.adapter is None) or (adapter is not None and adapter != self.adapter):
+            raise RefitMismatchError(
+                f"refit mismatch: the producer sends {_layout(self.adapter)}, the receiver applies {_layout(adapter)}"
+            )
+        check_fingerprints(expected, refit_fingerprint(expected, size, adapter), self.metadata, self.fingerprint)
 
     def consumer_iter(self) -> Iterator[tuple[str, tuple[tuple[int, ...], torch.dtype]]]:
         """The metadata as ``packed_broadcast_consumer`` wants it."""
@@ -192,13 +218,16 @@ class RefitInfo:
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (dtypes as strings such as ``"bfloat16"``)."""
-        return {
+        """JSON-able form (dtypes as strings such as ``"bfloat16"``; ``adapter`` only when set)."""
+        out: dict[str, Any] = {
             "metadata": [[n, list(s), dtype_to_str(d)] for n, s, d in self.metadata],
             "fingerprint": self.fingerprint,
             "buffer_size_bytes": self.buffer_size_bytes,
             "weights_version": self.weights_version,
         }
+        if self.adapter is not None:
+            out["adapter"] = self.adapter
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RefitInfo:
@@ -211,7 +240,14 @@ class RefitInfo:
             str(data["fingerprint"]),
             int(data["buffer_size_bytes"]),
             int(data["weights_version"]),
+            data.get("adapter"),
         )
+
+
+def _layout(adapter: dict[str, Any] | None) -> str:
+    if adapter is None:
+        return "full weights"
+    return f"LoRA adapters (r={adapter.get('r')}, alpha={adapter.get('alpha')}, {len(adapter.get('modules', []))} modules)"
 
 
 def metadata_to_consumer_iter(metadata: Iterable[Any]) -> Iterator[tuple[str, tuple[tuple[int, ...], torch.dtype]]]:

@@ -1,6 +1,6 @@
 """LoRA GRPO on the policy worker (``policy.dtensor_cfg.lora_cfg``, built with ``peft``): only the
-adapters train and sit in the optimizer, the reference is the base model, the refit tensors are
-the merged HF weights, checkpoints are peft adapters (+ merged HF folders) and resume is
+adapters train and sit in the optimizer, the reference is the base model, a refit sends only the
+adapters (the merged HF weights for vLLM), checkpoints are peft adapters (+ merged HF folders) and resume is
 bit-identical. Real torch training on the tiny model in one in-process worker."""
 
 from __future__ import annotations
@@ -121,11 +121,37 @@ def _opt_tensor_names(worker) -> list[str]:
     return [worker.param_names[i] for i in worker.optimizer.state_dict()["state"]]
 
 
+def test_adapters_only_refit_info_lists_the_adapters_and_their_layout(tiny_model_dir):
+    """With the HF generation backend (or none) a refit announces only ``lora_A``/``lora_B`` of each
+    adapted module, with the layout (rank, alpha, modules) in the fingerprint; the checksum is of
+    those tensors; a consumer applying another layout fails the check naming both."""
+    from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
+    from nrl_tasks.utils.refit import RefitInfo, RefitMismatchError
+
+    with in_process_worker(_cfg(tiny_model_dir, match_all_linear=False, target_modules=["q_proj", "v_proj"])) as worker:
+        worker.train(make_batch(GBS, WIDTH, seed=4), LOSS)
+        info = RefitInfo.from_dict(worker.prepare_refit_info())
+        base = worker.model.get_base_model()
+        modules = [n for n, m in base.named_modules() if n.endswith(("q_proj", "v_proj")) and hasattr(m, "lora_A")]
+        assert info.adapter == {"r": 8, "alpha": 32.0, "modules": modules}
+        assert [n for n, _, _ in info.metadata] == [f"{m}.lora_{ab}.weight" for m in modules for ab in "AB"]
+        assert worker.weights_checksum() == weights_checksum(adapter_named_tensors(base))
+        assert worker.weights_checksum(as_sent=False) != worker.weights_checksum()
+        info.check(info.metadata, adapter=dict(info.adapter))
+        with pytest.raises(RefitMismatchError, match="r=16"):
+            info.check(info.metadata, adapter={**info.adapter, "r": 16})
+        with pytest.raises(RefitMismatchError, match="full weights"):
+            info.check(info.metadata)
+
+
 def test_merged_refit_tensors_are_the_hf_weights_of_the_adapted_model(tiny_model_dir):
+    """With the vLLM backend a refit sends the merged HF weights (vLLM loads plain HF tensors)."""
     from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
+    from nrl_tasks.models.generation.interfaces import GenerationConfig
 
     ids = make_batch(4, WIDTH, seed=5, rl_keys=False)["input_ids"]
-    with in_process_worker(_cfg(tiny_model_dir)) as worker:
+    cfg = _cfg(tiny_model_dir).model_copy(update={"generation": GenerationConfig(model_name=tiny_model_dir, backend="vllm")})
+    with in_process_worker(cfg) as worker:
         worker.train(make_batch(GBS, WIDTH, seed=4), LOSS)
         live = _state(worker)
         merged = dict(merged_named_tensors(worker.model))
@@ -206,8 +232,10 @@ def test_packing_and_bf16_train_with_adapters(tiny_model_dir):
 @pytest.mark.timeout(300)
 def test_refit_of_trained_adapters_over_ray(ray_session, tiny_model_dir):
     """A Ray ``Policy`` with LoRA trains one NLL step and refits an ``HfGeneration`` worker through
-    the packed broadcast: the generation worker then holds the merged weights (same checksum) and
-    its sampling logprobs equal the policy's for the same tokens."""
+    the packed broadcast with only the adapter tensors (a small fraction of the full state dict):
+    the worker's base weights stay as loaded, its checksum then equals the policy's, its greedy
+    outputs equal the policy's own ``generate`` token for token and logprob for logprob, and a
+    second train + refit moves the same adapter bytes again."""
     import uuid
 
     import ray
@@ -216,9 +244,11 @@ def test_refit_of_trained_adapters_over_ray(ray_session, tiny_model_dir):
     from nrl_tasks.algorithms.loss_functions import NLLLossFn
     from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
     from nrl_tasks.models.generation.hf_generation import HfGeneration
+    from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
     from nrl_tasks.models.generation.interfaces import GenerationConfig
     from nrl_tasks.models.policy.lm_policy import Policy
     from nrl_tasks.utils.collective import find_free_port, get_node_ip
+    from nrl_tasks.utils.refit import RefitInfo
     from tests.models.generation.test_policy_refit import _prompts, _train_batch
 
     tag = uuid.uuid4().hex[:8]
@@ -232,18 +262,32 @@ def test_refit_of_trained_adapters_over_ray(ray_session, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = Policy(policy_cluster, pcfg, tokenizer, namespace=namespace)
     gen = HfGeneration(gen_cluster, gen_cfg, namespace=namespace)
-    try:
-        prompts = _prompts(tokenizer)
-        assert gen.weights_checksum() == policy.weights_checksum()  # B = 0: merged == base
-        policy.train(_train_batch(gen.generate(prompts, weights_version=0)), NLLLossFn())
-        assert gen.weights_checksum() != policy.weights_checksum()
-        gen.prepare_refit_info(policy.prepare_refit_info())
+    full_bytes = sum(t.numel() * t.element_size() for _, t in hf_refit_named_tensors(_hf(tiny_model_dir)))
+    base_checksum = gen.weights_checksum()
+    assert base_checksum == weights_checksum(hf_refit_named_tensors(_hf(tiny_model_dir)))
+
+    def refit(version: int) -> RefitInfo:
+        info = policy.prepare_refit_info()
+        gen.prepare_refit_info(info)
         ip, port = get_node_ip(), find_free_port()
         world = 1 + gen.refit_world_size
         ray.get(policy.init_collective(ip, port, world, train_world_size=1)
                 + gen.init_collective(ip, port, world, rank_offset=1), timeout=120)
-        ray.get(policy.broadcast_weights_for_collective() + gen.update_weights_from_collective(1), timeout=120)
+        ray.get(policy.broadcast_weights_for_collective() + gen.update_weights_from_collective(version), timeout=120)
+        return RefitInfo.from_dict(info)
+
+    try:
+        prompts = _prompts(tokenizer)
+        policy.train(_train_batch(gen.generate(prompts, weights_version=0)), NLLLossFn())
+        info = refit(1)
+        assert info.adapter is not None and info.adapter["r"] == 8 and info.adapter["modules"]
+        assert {n.rsplit(".", 2)[-2] for n, _, _ in info.metadata} == {"lora_A", "lora_B"}
+        assert 0 < info.total_bytes < 0.25 * full_bytes  # the tiny model's adapters; SmolLM2: see bench_lora
         assert gen.weights_version == 1 and gen.weights_checksum() == policy.weights_checksum()
+        greedy_gen = gen.generate(prompts, greedy=True, weights_version=1)
+        greedy_pol = policy.generate(prompts, greedy=True)
+        assert torch.equal(greedy_gen["output_ids"], greedy_pol["output_ids"])
+        assert torch.equal(greedy_gen["logprobs"], greedy_pol["logprobs"])
         out = gen.generate(prompts, weights_version=1)
         rows = out.__class__({"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]})
         lp = policy.get_logprobs(rows)["logprobs"]
@@ -252,6 +296,10 @@ def test_refit_of_trained_adapters_over_ray(ray_session, tiny_model_dir):
         assert mask.any()
         torch.testing.assert_close(lp[mask], out["logprobs"][mask], atol=1e-4, rtol=1e-4)
         assert float((lp - ref)[mask].abs().max()) > 1e-4  # the adapters trained: not the base model
+        policy.train(_train_batch(out), NLLLossFn())
+        again = refit(2)
+        assert again.fingerprint == info.fingerprint and again.total_bytes == info.total_bytes
+        assert gen.weights_checksum() == policy.weights_checksum()
     finally:
         gen.shutdown()
         policy.shutdown()

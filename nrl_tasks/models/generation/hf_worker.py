@@ -10,7 +10,10 @@ stale and holds ``v`` (``v=None``: only "not stale").
 :class:`HfGenerationWorker` is the ``hf`` backend: an ``AutoModelForCausalLM`` in the
 generation precision on CUDA when the actor was given a GPU, else on CPU; ``generate`` runs
 :func:`~nrl_tasks.models.generation.hf_sampling.generate_batch`. Refit tensors are
-:func:`hf_refit_named_tensors` (the state dict, tied weights once) in the generation dtype.
+:func:`hf_refit_named_tensors` (the state dict, tied weights once) in the generation dtype, or,
+once a LoRA policy's first adapters-only refit arrived (``RefitInfo.adapter``), only the adapter
+tensors: the worker then holds the base weights once, with the same peft LoRA layers as the
+policy, applied unmerged (:mod:`nrl_tasks.models.policy.workers.lora`).
 """
 
 from __future__ import annotations
@@ -123,8 +126,21 @@ class GenerationWorkerBase:
         from nrl_tasks.utils.refit import RefitInfo
 
         info = RefitInfo.from_dict(info_dict)
-        info.check(self.expected_refit_metadata())
+        self._adopt_adapter_layout(info.adapter)
+        info.check(self.expected_refit_metadata(), adapter=self._adapter_layout())
         self._refit_info = info
+
+    def _adapter_layout(self) -> dict[str, Any] | None:
+        """The LoRA layout this worker applies refitted adapters with (``None``: full weights)."""
+        return None
+
+    def _adopt_adapter_layout(self, adapter: dict[str, Any] | None) -> None:
+        """Get ready for an adapters-only refit of ``adapter`` (:mod:`nrl_tasks.utils.refit`);
+        this backend takes full weights only."""
+        if adapter is not None:
+            from nrl_tasks.utils.refit import RefitMismatchError
+
+            raise RefitMismatchError(f"{type(self).__name__} takes full-weight refits only; the producer sends LoRA adapters")
 
     def init_collective(
         self, ip: str, port: int, world_size: int, rank: int, timeout_s: float | None = None
@@ -212,7 +228,9 @@ class HfGenerationWorker(GenerationWorkerBase):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, self.cfg.precision)
         self.model_path = path
-        if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint: base + adapter, merged
+        self._adapter: dict[str, Any] | None = None  # set by the first adapters-only refit
+        self._merged_checkpoint = os.path.isfile(os.path.join(path, "adapter_config.json"))
+        if self._merged_checkpoint:  # a LoRA checkpoint: base + adapter, merged
             from nrl_tasks.models.policy.workers.lora import load_adapter_model
 
             model = load_adapter_model(path, self.dtype)
@@ -273,7 +291,31 @@ class HfGenerationWorker(GenerationWorkerBase):
         )
 
     # ---------------------------------------------------------------- refit
+    def _adapter_layout(self) -> dict[str, Any] | None:
+        return self._adapter
+
+    def _adopt_adapter_layout(self, adapter: dict[str, Any] | None) -> None:
+        """On the first adapters-only refit, put the layout's LoRA layers (B = 0: outputs
+        unchanged) into the base model this worker loaded; later refits only copy adapters."""
+        if adapter is None or self._adapter is not None:
+            return
+        if self._merged_checkpoint:
+            from nrl_tasks.utils.refit import RefitMismatchError
+
+            raise RefitMismatchError(
+                f"generation worker {self.rank} loaded {self.model_path!r}, an adapter checkpoint merged into its base: "
+                "an adapters-only refit needs the base model folder"
+            )
+        from nrl_tasks.models.policy.workers.lora import inject_adapters
+
+        inject_adapters(self.model, adapter, self.dtype)
+        self._adapter = adapter
+
     def _refit_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        if self._adapter is not None:
+            from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
+
+            return list(adapter_named_tensors(self.model))
         return hf_refit_named_tensors(self.model)
 
     def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

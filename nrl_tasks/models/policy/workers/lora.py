@@ -20,9 +20,15 @@ The algorithm, when ``lora_cfg.enabled``:
    with ``save_merged`` a sibling ``<weights>_merged/`` holds the merged HF safetensors.
    A restore copies the adapter tensors into the live peft model (bit-exact).
 
-Phase 2 (not built here): an adapters-only refit would replace step 3 in the refit mixin: the
-generation workers keep the base weights once and receive only the ``lora_A``/``lora_B``
-tensors through the packed broadcast (and vLLM would serve them as a LoRA adapter).
+5. adapters-only refit (the HF generation backend): the generation workers load the base weights
+   once and receive only :func:`adapter_named_tensors` (``<module>.lora_A.weight`` and
+   ``<module>.lora_B.weight`` of each adapted module, in module order) with their layout
+   :func:`adapter_layout` (rank, alpha, modules). On the first such refit a worker puts the
+   same LoRA layers into its plain HF model with ``peft.inject_adapter_in_model``
+   (:func:`inject_adapters`) and then only copies adapter tensors. It runs the adapters unmerged,
+   so its forward is the policy's own arithmetic (``W x + scale * B A x``): greedy outputs equal
+   the policy's ``generate`` bit for bit in float32. The vLLM backend still receives the merged
+   weights of step 3 (see :mod:`nrl_tasks.models.policy.workers.refit_mixin`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ import torch
 
 __all__ = [
     "ADAPTER_FILE",
+    "adapter_layout",
+    "adapter_named_tensors",
+    "inject_adapters",
     "is_adapter_dir",
     "load_adapter_into",
     "load_adapter_model",
@@ -129,6 +138,52 @@ def merged_named_tensors(model: Any, *, merge: bool = True) -> Iterator[tuple[st
             yield hf_name, tensor.detach()
         else:
             yield name, tensor.detach()
+
+
+def adapter_layout(hf_model: torch.nn.Module) -> dict[str, Any] | None:
+    """``{"r", "alpha", "modules"}`` of the LoRA layers in ``hf_model`` (the base HF model of a
+    peft model, or a generation worker's model after :func:`inject_adapters`), ``None`` without
+    LoRA layers. One rank and alpha for all modules (what ``LoRAConfig`` builds)."""
+    layers = _lora_layers(hf_model)
+    if not layers:
+        return None
+    ranks = {layer.r[a] for layer in layers.values() for a in layer.active_adapters}
+    alphas = {float(layer.lora_alpha[a]) for layer in layers.values() for a in layer.active_adapters}
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ValueError(f"LoRA layers with mixed ranks {sorted(ranks)} or alphas {sorted(alphas)}: no single adapter layout")
+    return {"r": int(ranks.pop()), "alpha": alphas.pop(), "modules": list(layers)}
+
+
+def adapter_named_tensors(hf_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(<module>.lora_A.weight, A)`` and ``(<module>.lora_B.weight, B)`` of each LoRA layer of
+    ``hf_model`` in module order: what an adapters-only refit sends (the live tensors)."""
+    for name, layer in _lora_layers(hf_model).items():
+        for adapter in layer.active_adapters:
+            yield f"{name}.lora_A.weight", layer.lora_A[adapter].weight.detach()
+            yield f"{name}.lora_B.weight", layer.lora_B[adapter].weight.detach()
+
+
+def inject_adapters(hf_model: torch.nn.Module, layout: dict[str, Any], dtype: torch.dtype) -> None:
+    """Put LoRA layers of ``layout`` (:func:`adapter_layout`) into the plain HF ``hf_model`` in place
+    (``peft.inject_adapter_in_model``; B = 0, so the model is unchanged until adapters arrive),
+    adapter weights in ``dtype``, no dropout. ``ValueError`` naming a module the model lacks."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = {name for name, _ in hf_model.named_modules()}
+    missing = [m for m in layout["modules"] if m not in names]
+    if missing:
+        raise ValueError(f"adapter layout names modules this model lacks: {missing[:3]}")
+    cfg = LoraConfig(r=int(layout["r"]), lora_alpha=float(layout["alpha"]), lora_dropout=0.0,
+                     target_modules=list(layout["modules"]), bias="none", init_lora_weights=True)
+    inject_adapter_in_model(cfg, hf_model)
+    for layer in _lora_layers(hf_model).values():
+        for part in (layer.lora_A, layer.lora_B):
+            part.to(dtype)
+        layer.requires_grad_(False)
+    got = adapter_layout(hf_model)
+    if got is None or got["modules"] != list(layout["modules"]):
+        raise ValueError(f"injecting the adapter layout gave modules {None if got is None else got['modules'][:3]}, "
+                         f"expected {list(layout['modules'])[:3]}")
 
 
 def save_merged(model: Any, path: str) -> None:

@@ -6,11 +6,15 @@ tensors cast to the refit dtype (the generation precision, else the policy preci
 buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group);
 the other ranks hold identical weights and do nothing.
 
-With LoRA (``dtensor_cfg.lora_cfg.enabled``) the source is
-:func:`~nrl_tasks.models.policy.workers.lora.merged_named_tensors`: the base model's state dict
-under the HF names with ``W + scale * B @ A`` in place of each adapted weight (copies; the live
-weights are untouched), so generation backends receive a plain HF state dict. Phase 2 would send
-only the adapter tensors here instead.
+With LoRA (``dtensor_cfg.lora_cfg.enabled``) and the HF generation backend (or none), a refit
+sends only the adapters: :func:`~nrl_tasks.models.policy.workers.lora.adapter_named_tensors`, with
+the adapter layout in ``RefitInfo.adapter`` (the generation workers hold the base weights from
+their model folder and apply the adapters unmerged). With the vLLM backend the source is
+:func:`~nrl_tasks.models.policy.workers.lora.merged_named_tensors` instead: the base model's state
+dict under the HF names with ``W + scale * B @ A`` in place of each adapted weight (copies; the
+live weights are untouched), because the vLLM worker loads plain HF weights only. Either way
+``weights_checksum()`` is of what a refit sends, so the adapters-only checksum covers the adapters
+(the base is the run's frozen model folder).
 """
 
 from __future__ import annotations
@@ -51,13 +55,20 @@ class RefitMixin:
             return tensor.to(self._refit_dtype())
         return tensor
 
+    def _adapters_only(self) -> bool:
+        """LoRA refits send only the adapters unless the generation backend is vLLM."""
+        gen = self.cfg.generation
+        return self.cfg.lora is not None and (gen is None or gen.backend == "hf")
+
     def _refit_source(self, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors a refit sends, before the cast (``merge=False``: same names and shapes,
         without computing LoRA merges)."""
-        if self.cfg.lora is not None:
-            from nrl_tasks.models.policy.workers.lora import merged_named_tensors
+        from nrl_tasks.models.policy.workers import lora
 
-            return merged_named_tensors(self.model, merge=merge)
+        if self._adapters_only():
+            return lora.adapter_named_tensors(self.model.get_base_model())
+        if self.cfg.lora is not None:
+            return lora.merged_named_tensors(self.model, merge=merge)
         return refit_named_tensors(self.model)
 
     def _refit_items(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -77,7 +88,12 @@ class RefitMixin:
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
             for n, t in self._refit_source(merge=False)
         )
-        self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version)
+        adapter = None
+        if self._adapters_only():
+            from nrl_tasks.models.policy.workers.lora import adapter_layout
+
+            adapter = adapter_layout(self.model.get_base_model())
+        self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version, adapter)
         return self._refit_info.to_dict()
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int = 1) -> bool:
