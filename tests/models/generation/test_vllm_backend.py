@@ -211,3 +211,15 @@ def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
     out = gen.generate(batch, greedy=True, weights_version=version + 1)
     ref = generate_batch(model, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
     assert torch.equal(out["output_ids"], ref["output_ids"])
+
+
+def test_adapters_only_refit_is_refused_before_any_byte_moves(gen):
+    """A LoRA policy sends the vLLM backend merged weights (its refit mixin decides by backend); an
+    adapters-only refit info is refused by the vLLM worker at ``prepare_refit_info``, naming it."""
+    from nrl_tasks.utils.refit import RefitInfo, RefitMismatchError
+
+    module = "model.layers.0.self_attn.q_proj"
+    named = [(f"{module}.lora_A.weight", torch.zeros(8, 64)), (f"{module}.lora_B.weight", torch.zeros(64, 8))]
+    info = RefitInfo.build(named, BUFFER, gen.weights_version + 1, adapter={"r": 8, "alpha": 32.0, "modules": [module]})
+    with pytest.raises(RefitMismatchError, match="full-weight refits only"):
+        gen.prepare_refit_info(info.to_dict())
