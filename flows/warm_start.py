@@ -6,7 +6,8 @@ learns nothing; ``make demo`` always warm-started it with :mod:`flows.sft`. With
 ``grpo-train`` deployment's default run learns visibly):
 
 1. the SFT is its own run, ``<run_id>-sft`` under the same storage root (a subflow run ``sft-…``
-   of the GRPO flow run), checkpointed at step ``N``;
+   of the GRPO flow run), checkpointed at step ``N``; it trains full weights even when the GRPO
+   run has LoRA on (``policy.dtensor_cfg.lora_cfg``), whose adapters then sit on the SFT weights;
 2. the GRPO run's ``policy.model_name`` becomes that checkpoint's weights, and its saved
    ``config.yaml`` records them (with the ``warm_start`` section, which the config hash counts).
 
@@ -68,7 +69,13 @@ def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
     ws = cfg.warm_start
     log.info("warm start: %d SFT steps from %s (run %s)", ws.sft_steps, cfg.policy.model_name, warm_start_run_id(run_id))
     fresh = not ray_connected()
-    base = cfg.model_copy(update={"warm_start": type(ws)()})  # the SFT run's own config has no warm start
+    # the SFT run's own config has no warm start, and trains full weights: with LoRA on, GRPO then
+    # adapts the warm-started model (the adapters' base), as it would adapt any base model
+    policy = cfg.policy
+    if policy.dtensor_cfg.lora_cfg.enabled:
+        dt = policy.dtensor_cfg.model_copy(update={"lora_cfg": type(policy.dtensor_cfg.lora_cfg)()})
+        policy = policy.model_copy(update={"dtensor_cfg": dt})
+    base = cfg.model_copy(update={"warm_start": type(ws)(), "policy": policy})
     try:
         out = sft(
             config=base.model_dump(mode="json"), run_id=warm_start_run_id(run_id), num_steps=ws.sft_steps,
