@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import yaml
 
 from tests.flows.conftest import kill_run_actors, tiny_run_config
@@ -54,3 +55,35 @@ def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_
     res = eval_sweep("lora-tiny", storage=root, num_samples=2, max_prompts=4)
     assert sorted(res["evaluated"]) == ["lora-tiny/step_000002"], res
     assert [r["accuracy"] is not None for r in res["rows"]] == [True]
+
+
+@pytest.mark.slow
+def test_lora_async_with_two_data_parallel_ranks(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    """LoRA with async GRPO (age 1) and 2 data-parallel policy ranks, a reward that varies (the
+    adapters train): 3 steps complete with checksum-verified adapters-only refits, each step's
+    rollouts come from the version the async schedule names, and the adapters moved every step."""
+    import storage
+    from flows.grpo import grpo
+    from flows.metrics import read_metrics
+
+    with open("configs/grpo_tiny_lora.yaml", encoding="utf-8") as fh:
+        lora = yaml.safe_load(fh)["policy"]["dtensor_cfg"]["lora_cfg"]
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{
+        "grpo.refit.verify_checksum": True, "grpo.async_grpo.enabled": True, "grpo.async_grpo.max_trajectory_age_steps": 1,
+        "loss_fn.use_importance_sampling_correction": True, "cluster.policy_workers": 2,
+        "env.reward_fn": "tests.flows.test_dynamic_sampling:parity_reward",
+    })
+    cfg["policy"]["dtensor_cfg"] = {"lora_cfg": lora}
+    try:
+        out = grpo(config=cfg, run_id="lora-async-dp2")
+    finally:
+        kill_run_actors("lora-async-dp2")
+    rows = read_metrics(out["metrics_uri"])
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    steps = os.path.join(root, "lora-async-dp2", "steps")
+    versions = [storage.read_manifest(os.path.join(steps, f"step_{s:06d}", "rollouts")).meta["weights_version"] for s in (1, 2, 3)]
+    assert versions == [0, 0, 1], versions  # max(0, N-1-age)
+    sums = [storage.read_manifest(os.path.join(steps, f"step_{s:06d}", "train")).meta["weights_checksum"] for s in (1, 2, 3)]
+    assert len(set(sums)) == 3, sums
+    assert all(r.get("refit_mb") for r in rows if r.get("refit_attempts")), rows
