@@ -97,6 +97,7 @@ def test_each_step_trains_on_groups_with_reward_variance_from_its_generation_bat
     assert max(batches_used) > 1, f"no step needed a second generation batch ({batches_used}): the test proves little"
 
 
+@pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_killed_while_sampling_then_resumed_is_bit_identical(ds_run, tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from tests.faults.helpers import assert_same_rollouts
 

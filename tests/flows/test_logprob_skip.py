@@ -15,6 +15,7 @@ ON_POLICY = {"loss_fn.force_on_policy_ratio": True, "loss_fn.reference_policy_kl
              "checkpointing.enabled": False}
 
 
+@pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_logprob_stage_skipped_and_resume_replays_without_it(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
     from flows.grpo import grpo

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from flows.quiet_logs import quiet_lifecycle_logs
 
 
@@ -50,6 +52,7 @@ def _flow_logs(api_url: str, run_id: str) -> list:
         return asyncio.run(query())
 
 
+@pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_a_run_logs_one_info_line_per_step(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     """A real 2-step run at INFO (the test session logs at WARNING): no completed-run lines, one
     step line a step; with ``logger.log_level=DEBUG`` Prefect's lines are back."""

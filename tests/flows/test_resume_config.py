@@ -24,6 +24,7 @@ def test_grpo_parameters_have_descriptions_for_the_deployment_form():
     assert "grpo.max_num_steps=70" in props["resume"]["description"]
 
 
+@pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_extend_a_finished_run_with_the_deployment_default_config(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from flows.config import ConfigError
     from flows.grpo import grpo

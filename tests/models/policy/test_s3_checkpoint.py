@@ -81,6 +81,7 @@ def _worker_dirs(policy) -> list[list[str]]:
     return ray.get([w.__ray_call__.remote(made_dirs) for w in policy.worker_group.workers])
 
 
+@pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_s3_checkpoint_round_trip_through_the_workers(ray_session, moto_s3, tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
