@@ -6,8 +6,8 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
 2. a GRPO run of ``configs/grpo_tiny_demo.yaml`` (SFT warm start, then GRPO) through the ``nrl``
    CLI, with TensorBoard on (and MLflow, given ``--mlflow-uri``); mid-run the run summary
    artifact is captured (``summary-midrun.png``), after it the flow run's page and log
-   (``flow-run.png``), its steps list (``steps-list.png``: the step subflow runs) and one step's
-   page (``step-graph.png``: its stage tasks and their data edges; ``step-tasks.png``: its task runs);
+   (``flow-run.png``), the steps list (``steps-list.png``: the ``grpo-step`` flow's page, one
+   subflow run per step) and one step's page (``step-graph.png``: its stage tasks and data edges);
 3. the ``eval-sweep`` flow served on a one-minute cron schedule (``Flow.serve``): after its first
    scheduled run the eval view artifact is captured (``eval-view.png``);
 4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``; its WebGL line
@@ -174,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         grpo_run = next(r for r in _flow_runs(api, "grpo") if r["name"] == run_id)
         shoot(f"{ui}/runs/flow-run/{grpo_run['id']}", os.path.join(out, "flow-run.png"), height=1400)
         # the steps list (the run's step subflow runs) and one step's graph: its stage tasks and edges
-        shoot(f"{ui}/runs/flow-run/{grpo_run['id']}?tab=Subflow%20Runs", os.path.join(out, "steps-list.png"), height=1400)
+        step_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-step"]}}, "limit": 1})
+        if step_flow:  # the UI's page of the grpo-step flow lists every step's subflow run
+            shoot(f"{ui}/flows/flow/{step_flow[0]['id']}", os.path.join(out, "steps-list.png"), height=1400)
         step_name = f"{run_id}-step-{max(1, args.steps // 4):04d}"
         step_run = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [step_name]}}, "limit": 1})
         if step_run:
-            shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}", os.path.join(out, "step-graph.png"), height=1200)
-            shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}?tab=Task%20Runs", os.path.join(out, "step-tasks.png"), height=1200)
+            shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}", os.path.join(out, "step-graph.png"), height=1000)
 
         # the eval sweep on a cron schedule: its first scheduled run
         serve_code = (

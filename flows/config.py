@@ -8,7 +8,7 @@ found are reported together in one :class:`ConfigError` (a ``ValueError``). Numb
 booleans are not numbers and sizes have maxima a real run stays far below (:mod:`flows.config_bounds`);
 YAML is read by one bounded loader that refuses repeated keys (:mod:`flows.config_io`).
 
-The *config hash* covers everything that changes the numbers a run produces; it leaves out
+The *config hash* (:mod:`flows.config_hash`) covers everything that changes the numbers a run produces; it leaves out
 where things run and are written (``cluster.ray``, ``storage``), how they are shown
 (``logger``), the length of the run (``grpo.max_num_steps``, so a finished run can be extended),
 retry settings (``grpo.refit``, ``grpo.stage_retries``, ``grpo.stage_retry_delay_s``) and the
@@ -17,12 +17,9 @@ checkpoint cadence/retention. Resuming with a different hash is refused.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from typing import Any, Iterable, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.config_advantages import AdvEstimatorConfig
@@ -34,6 +31,7 @@ from flows.config_bounds import (  # the maxima, named (``le=`` below) and check
 from flows.config_combinations import combination_errors
 from flows.config_dpo import DPOConfig
 from flows.config_io import ConfigError, load_yaml_file, load_yaml_text
+from flows.config_logger import LoggerConfig, MLflowConfig, WandbConfig
 from flows.config_secrets import credential_paths, redact
 from flows.overrides import apply_overrides
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
@@ -50,11 +48,13 @@ __all__ = [
     "EnvConfig",
     "GRPOConfig",
     "LoggerConfig",
+    "MLflowConfig",
     "MasterConfig",
     "RayConfig",
     "RefitConfig",
     "StorageConfig",
     "StorageRetryConfig",
+    "WandbConfig",
     "changed_keys",
     "config_hash",
     "config_to_yaml",
@@ -288,47 +288,6 @@ class StorageConfig(_Section):
         return self
 
 
-class MLflowConfig(_Section):
-    experiment_name: str = Field(
-        "nrl-flows", min_length=1, description="MLflow experiment of the run (created if missing)"
-    )
-    run_name: str | None = Field(None, description="MLflow run name; default: the run id")
-    tracking_uri: str | None = Field(
-        None,
-        description="MLflow tracking server (http(s)://host:port) or store URI; default: a SQLite store "
-        "sqlite:///<log_dir>/mlflow/mlflow.db (browse with `mlflow ui --backend-store-uri ...`)",
-    )
-
-
-class WandbConfig(_Section):
-    project: str = Field("nrl-flows", min_length=1, description="W&B project")
-    name: str | None = Field(None, description="W&B run name; default: the run id")
-
-
-class LoggerConfig(_Section):
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    console: bool = Field(True, description="print one progress line per step")
-    artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")
-    num_rollouts_to_show: int = Field(4, ge=0, le=1024, description="best and worst rollouts in the markdown artifact")
-    weights_checksum: bool = Field(True, description="record the policy weights checksum after each train")
-    tensorboard_enabled: bool = Field(False, description="TensorBoard event files of every metrics line (flows.trackers)")
-    log_dir: str = Field(
-        "logs", description="trackers' local directory: <log_dir>/<run_id>/{tensorboard,wandb}, <log_dir>/mlflow"
-    )
-    mlflow_enabled: bool = Field(False, description="an MLflow run mirroring every metrics line (flows.trackers_mlflow)")
-    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
-    wandb_enabled: bool = Field(
-        False,
-        description="a W&B run mirroring every metrics line (flows.trackers_wandb); offline unless WANDB_MODE says otherwise",
-    )
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-    step_subflows: bool = Field(
-        True,
-        description="group each step as a Prefect subflow run <run_id>-step-0007 (off: the step's tasks run "
-        "directly in the run's flow run, named <stage>-<run_id>-step7 as always; a subflow costs ~0.1-1 s per step on a SQLite server)",
-    )
-
-
 class WarmStartConfig(_Section):
     """A supervised warm start the GRPO flow runs first (not a NeMo-RL key; :mod:`flows.warm_start`)."""
 
@@ -491,89 +450,5 @@ def load_config(
     return cfg
 
 
-_HASH_EXCLUDE: dict[str, Any] = {
-    "cluster": {"ray"},
-    "storage": True,
-    "logger": True,
-    "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
-    "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
-    "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
-}
-
-
-#: keys added after runs existed (issue 12): counted in the hash only when not at their default
-_ADDED_KEYS: tuple[tuple[str, str], ...] = (
-    ("grpo", "adv_estimator"),
-    ("grpo", "reward_shaping"),
-    ("grpo", "use_dynamic_sampling"),
-    ("grpo", "batch_multiplier"),
-    ("grpo", "dynamic_sampling_max_gen_batches"),
-    *(("loss_fn", k) for k in (
-        "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
-        "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
-        "constant_length_normalization",
-    )),
-)
-
-
-def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
-    """The result-affecting part of ``cfg`` as JSON data (what :func:`config_hash` hashes).
-
-    ``grpo.async_grpo`` and ``policy.dtensor_cfg.lora_cfg`` count only when enabled: a run
-    without them hashes as before they existed;
-    likewise the keys of :data:`_ADDED_KEYS` count only when they differ from their default."""
-    data = cfg.model_dump(mode="json", exclude=_HASH_EXCLUDE)
-    if not cfg.grpo.async_grpo.enabled:
-        data["grpo"].pop("async_grpo", None)
-    for section, key in _ADDED_KEYS:  # a key added later, at its default, hashes as before it existed
-        model = getattr(cfg, section)
-        if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
-            data[section].pop(key)
-    if not cfg.policy.dtensor_cfg.lora_cfg.enabled:  # a full-weights run hashes as before LoRA existed
-        data["policy"]["dtensor_cfg"].pop("lora_cfg", None)
-    if cfg.dpo is None:  # a GRPO run hashes as before the section existed
-        data.pop("dpo", None)
-    if not cfg.warm_start.sft_steps:  # likewise a run without a warm start
-        data.pop("warm_start", None)
-    data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None
-    return data
-
-
-def config_hash(cfg: MasterConfig) -> str:
-    """sha256 (16 hex chars) of the canonical JSON of :func:`hashed_data`."""
-    blob = json.dumps(hashed_data(cfg), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def changed_keys(a: MasterConfig, b: MasterConfig) -> list[str]:
-    """Dotted keys whose result-affecting values differ between ``a`` and ``b`` (sorted).
-
-    >>> from flows.config import load_config
-    >>> base = load_config("configs/grpo_tiny.yaml")
-    >>> changed_keys(base, load_config("configs/grpo_tiny.yaml", ["grpo.seed=7", "grpo.max_num_steps=9"]))
-    ['grpo.seed']
-    """
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(d, dict):
-            return {prefix: d}
-        return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}{key}.").items()} or {prefix: {}}
-
-    fa, fb = flat(hashed_data(a)), flat(hashed_data(b))
-    return sorted(k.rstrip(".") for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
-
-
-def config_to_yaml(cfg: MasterConfig) -> str:
-    """The resolved config as YAML, starting with its hash; credentials redacted.
-
-    ``config_hash`` is ignored on load. ``storage.storage_options`` values whose key looks like a
-    secret are written as ``***`` (they never reach storage, logs or artifacts).
-    """
-    data = {"config_hash": config_hash(cfg), **cfg.model_dump(mode="json")}
-    data["storage"] = redact(data["storage"])
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def saved_config_hash(text: str, source: str = "config.yaml") -> str | None:
-    """The ``config_hash`` recorded in a saved ``config.yaml`` text (``ConfigError`` naming
-    ``source`` when the text is not a config)."""
-    return load_yaml_text(text, source).get("config_hash")
+# the hash and the saved form live in flows.config_hash; their names stay importable from here
+from flows.config_hash import changed_keys, config_hash, config_to_yaml, hashed_data, saved_config_hash  # noqa: E402
