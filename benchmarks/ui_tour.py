@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,10 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from nrl_tasks.utils.collective import find_free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -138,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="nrl-tour-")
-    port = _port()
+    port = find_free_port()
     api = f"http://127.0.0.1:{port}/api"
     ui = f"http://127.0.0.1:{port}"
     env = {
@@ -201,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if aid:
             shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "eval-view.png"), height=1300)
 
-        tb_port = _port()
+        tb_port = find_free_port()
         tb = procs.start([os.path.join(BIN, "tensorboard"), "--logdir", logs, "--host", "127.0.0.1", "--port", str(tb_port)],
                          env, os.path.join(tmp, "tensorboard.log"))
         _wait_http(f"http://127.0.0.1:{tb_port}/", 120, tb)

@@ -127,8 +127,9 @@ def evaluate_checkpoint(
         raise CheckpointVanishedError(f"checkpoint {checkpoint} of {run_id}: {res.get('reason')}")
     if res.get("busy"):
         raise RuntimeError(f"checkpoint {checkpoint} of {run_id} is being evaluated by another process; retry later")
-    if not res.get("skipped"):
-        report_to_trackers(cfg, run_id, [(_step, res) for _step in [parse_step_dir(checkpoint)] if _step is not None])
+    step = parse_step_dir(checkpoint)
+    if not res.get("skipped") and step is not None:
+        report_to_trackers(cfg, run_id, [(step, res)])
     return res
 
 

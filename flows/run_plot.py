@@ -14,7 +14,7 @@ import io
 import math
 from collections.abc import Sequence
 
-__all__ = ["SIZE", "plot_data_uri", "plot_png"]
+__all__ = ["SIZE", "bucket_means", "plot_data_uri", "plot_png"]
 
 #: width, height of the plot in pixels
 SIZE = (360, 90)
@@ -26,9 +26,11 @@ def _finite(values: Sequence[float | None]) -> list[float | None]:
     return [None if v is None or not math.isfinite(float(v)) else float(v) for v in values]
 
 
-def _buckets(values: list[float | None], width: int) -> list[float | None]:
+def bucket_means(values: Sequence[float | None], width: int) -> list[float | None]:
+    """``values`` as at most ``width`` points: the mean of each of ``width`` equal runs (``None``
+    values left out; ``None`` for a run with none), or ``values`` itself when it fits."""
     if len(values) <= width:
-        return values
+        return list(values)
     out = []
     for b in range(width):
         part = [v for v in values[b * len(values) // width:(b + 1) * len(values) // width] if v is not None]
@@ -48,7 +50,7 @@ def plot_png(rewards: Sequence[float | None], evals: Sequence[tuple[int, float]]
     for frac in (0.0, 0.5, 1.0):
         y = _PAD + round(frac * (h - 2 * _PAD))
         draw.line([(_PAD, y), (w - _PAD, y)], fill=_GRID)
-    pts = _buckets(_finite(rewards), w - 2 * _PAD)
+    pts = bucket_means(_finite(rewards), w - 2 * _PAD)
     known = [v for v in pts if v is not None] + [float(a) for _, a in evals if math.isfinite(float(a))]
     if known:
         lo, hi = min(known), max(known)

@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flows.run_plot import bucket_means
+
 __all__ = ["CURVE_WIDTH", "TABLE_WINDOW", "metrics_window", "sparkline", "summary_markdown"]
 
 #: points of a text curve at most (older steps are averaged into buckets)
@@ -31,20 +33,10 @@ TABLE_WINDOW = 30
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def _buckets(values: Sequence[float | None], width: int) -> list[float | None]:
-    if len(values) <= width:
-        return list(values)
-    out = []
-    for b in range(width):
-        part = [v for v in values[b * len(values) // width:(b + 1) * len(values) // width] if v is not None]
-        out.append(sum(part) / len(part) if part else None)
-    return out
-
-
 def sparkline(values: Sequence[float | None], width: int = CURVE_WIDTH) -> str:
     """A one-line curve of ``values`` (``None``/NaN: a blank), at most ``width`` characters."""
     vals = [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values]
-    pts = _buckets(vals, width)
+    pts = bucket_means(vals, width)
     known = [v for v in pts if v is not None]
     if not known:
         return ""
