@@ -28,7 +28,7 @@ LOSS = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
 
 
 def _cfg(model_dir: str, **lora: object) -> PolicyConfig:
-    extra = {k: lora.pop(k) for k in ("precision", "sequence_packing") if k in lora}
+    extra = {k: lora.pop(k) for k in ("precision", "sequence_packing", "dynamic_batching") if k in lora}
     return PolicyConfig(
         model_name=model_dir, train_global_batch_size=GBS, train_micro_batch_size=4, max_grad_norm=1.0,
         max_total_sequence_length=64, optimizer={"kwargs": {"lr": 1e-2, "weight_decay": 0.0}},
@@ -209,14 +209,21 @@ def test_resume_from_an_adapter_checkpoint_is_bit_identical(tiny_model_dir, tmp_
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
-def test_packing_and_bf16_train_with_adapters(tiny_model_dir):
+def test_packing_dynamic_batching_and_bf16_train_with_adapters(tiny_model_dir):
     batch = make_batch(GBS, WIDTH, seed=10)
     packing = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 96, "sequence_length_pad_multiple": 4}
+    dynamic = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 96, "sequence_length_round": 8}
     losses = {}
-    for name, extra in (("plain", {}), ("packing", {"sequence_packing": packing}), ("bf16", {"precision": "bfloat16"})):
+    modes = (("plain", {}), ("packing", {"sequence_packing": packing}), ("dynamic", {"dynamic_batching": dynamic}),
+             ("bf16", {"precision": "bfloat16"}))
+    for name, extra in modes:
         cfg = _cfg(tiny_model_dir, **extra)
         with in_process_worker(cfg) as worker:
             shard = batch
+            if name == "dynamic":
+                shard = batch.shard_by_batch_size(1, batch_size=GBS, dynamic_batching_cfg={
+                    "max_tokens_per_microbatch": 64, "sequence_length_round": 8, "input_key": "input_ids",
+                    "input_lengths_key": "input_lengths"})[0][0]
             if name == "packing":
                 shard = batch.shard_by_batch_size(1, batch_size=GBS, sequence_packing_cfg={
                     "max_tokens_per_microbatch": 64, "input_key": "input_ids", "input_lengths_key": "input_lengths",
@@ -226,6 +233,7 @@ def test_packing_and_bf16_train_with_adapters(tiny_model_dir):
             lp = worker.get_logprobs(batch)["logprobs"]
             assert torch.isfinite(lp).all()
     np.testing.assert_allclose(losses["packing"], losses["plain"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses["dynamic"], losses["plain"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(losses["bf16"], losses["plain"], rtol=5e-2, atol=5e-3)
 
 
