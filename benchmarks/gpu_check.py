@@ -1,7 +1,8 @@
 """GPU readiness: one prepared run over every CUDA path, with figures, in a few minutes.
 
 Run: ``python -m benchmarks.gpu_check [--cpu] [--out FILE]`` (``make gpu-check``) from the repo
-root. Needs torch, transformers, safetensors and pydantic; Ray and Prefect are never imported.
+root. Needs torch, transformers, safetensors and pydantic (and peft for the LoRA rows); Ray and
+Prefect are never imported.
 Without ``--cpu`` it needs CUDA and exits 2 when there is none; ``--cpu`` runs the same checks
 on CPU tensors and gloo in under a minute. Prints one markdown table (check | device/dtype |
 result | figure) and a PASS/FAIL/SKIP count; exits 1 when a check failed.
@@ -25,7 +26,15 @@ What it checks (GPU sizes; ``--cpu`` sizes in brackets):
 * ``offload_before_refit`` / ``offload_after_refit`` / ``offload_to_cpu`` moving memory
   (``torch.cuda.memory_allocated``; no-ops by design on CPU) and ``start/stop_gpu_profiling``
   writing a non-empty trace.
-* the step schedule (``nrl_tasks.stages.schedule``, pure); LoRA is reported as not landed.
+* the step schedule (``nrl_tasks.stages.schedule``, pure).
+* LoRA (``dtensor_cfg.lora_cfg``, rank 8; needs peft, else one SKIP row) on the same models, fp32
+  and bf16: a GRPO ``train`` step moves only the adapters (base-weight checksum bit-identical,
+  optimizer holds only adapter params, finite loss; trainable/total params, tokens/s);
+  ``get_reference_policy_logprobs`` equals the CPU fp32 base model (<= 1e-4 fp32, <= 5e-2 bf16);
+  an adapters-only refit copied into an in-process ``HfGenerationWorker`` (no wire): equal
+  checksums, refit bytes < 25% of the model's, greedy ``generate`` vs the policy's (fp32: every
+  token equal, logprobs <= 1e-5; bf16 weights: generated-token logprobs <= 1.5e-1 of the policy's
+  fp32 forward of the same tokens, rows equal token for token reported).
 """
 
 from __future__ import annotations
@@ -42,11 +51,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import _gpu_check_lifecycle as life
+from benchmarks import _gpu_check_lora as lora
 from benchmarks import _gpu_check_policy as pol
 from benchmarks._gpu_check_broadcast import check_dtypes, check_throughput
 from benchmarks._gpu_check_group import check_pair
 from benchmarks._gpu_check_report import Row, failed, guarded, render, verdict
-from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.stages.schedule import StepSchedule
 from nrl_tasks.utils.packed_tensor import get_target_packed_tensor_size
 
@@ -90,10 +99,9 @@ def schedule_rows() -> list[Row]:
                 "6 steps, sync / age 1 / age 2: one valid order each; async stage tasks need Prefect (not run)")]
 
 
-def lora_rows() -> list[Row]:
-    if any("lora" in name or "peft" in name for name in PolicyConfig.model_fields):
-        return [Row("LoRA", "-", "SKIP", "LoRA settings exist in PolicyConfig but no check is written here yet")]
-    return [Row("LoRA", "-", "SKIP", "skipped: issue 15 not built")]
+def lora_rows(gpu: bool, device: torch.device, tmp: Path, log: Callable[[str], None]) -> list[Row]:
+    """LoRA ``PolicyWorker`` train / reference / adapters-only refit rows (``_gpu_check_lora``)."""
+    return lora.lora_rows(gpu, device, tmp, log)
 
 
 def broadcast_rows(gpu: bool, device: torch.device) -> list[Row]:
@@ -172,8 +180,8 @@ def run_checks(gpu: bool, tmp: Path) -> list[Row]:
     log("2-process groups")
     rows += group_rows(gpu)
     rows += guarded("StepSchedule", "any", schedule_rows)
-    rows += guarded("LoRA", "-", lora_rows)
     rows += guarded("PolicyWorker", device.type, lambda: policy_rows(gpu, tmp, log))
+    rows += guarded("LoRA", device.type, lambda: lora_rows(gpu, device, tmp, log))
     log("done")
     return rows
 
