@@ -52,5 +52,5 @@ class LoggerConfig(_Section):
     step_subflows: bool = Field(
         True,
         description="group each step as a Prefect subflow run <run_id>-step-0007 (off: the step's tasks run "
-        "directly in the run's flow run, named <stage>-<run_id>-step7 as always; a subflow costs ~0.1-1 s per step on a SQLite server)",
+        "directly in the run's flow run, named <stage>-<run_id>-step7 as always; a subflow costs ~0.1-0.2 s per step, bench_pipeline)",
     )

@@ -172,7 +172,7 @@ def run_grpo_steps(
     last trained step of a resumed run runs once more (its stages are committed and skip; what it
     had not finished, checkpoint, refit, validation, metrics line, is done)."""
     from flows.recovery import RetryBudget, recover, run_step
-    from flows.step import grpo_step, publish_step
+    from flows.step import grpo_step, publish_step, without_subflow_heartbeats
     from nrl_tasks.stages.evaluate import validate
 
     cfg = run.cfg
@@ -220,24 +220,25 @@ def run_grpo_steps(
         return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
                 "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
-        for step in range(last if last > 0 else 1, max_steps + 1):
-            if fence is not None:
-                fence()
-            t0 = time.perf_counter()
-            plan = step_plan(cfg, step, chash=chash, write_line=step not in have_lines)
-            ctx = run.step(step)
+        with without_subflow_heartbeats():  # the step subflows (flows.step): no ~0.9 s heartbeat join each
+            for step in range(last if last > 0 else 1, max_steps + 1):
+                if fence is not None:
+                    fence()
+                t0 = time.perf_counter()
+                plan = step_plan(cfg, step, chash=chash, write_line=step not in have_lines)
+                ctx = run.step(step)
 
-            def call(attempt: int, ctx=ctx, plan=plan) -> Any:
-                return step_fn(quote(ctx), replace(plan, attempt=attempt))
+                def call(attempt: int, ctx=ctx, plan=plan) -> Any:
+                    return step_fn(quote(ctx), replace(plan, attempt=attempt))
 
-            refs = run_step(run, step, call, budget, log=logger)
-            if refs.flow_run_id:
-                publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
-            publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress,
-                         trackers=trackers)
-            apply_retention(layout, retention, step, opts, pruned=pruned)
-            if step > last:
-                step_wall.append(time.perf_counter() - t0)
+                refs = run_step(run, step, call, budget, log=logger)
+                if refs.flow_run_id:
+                    publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
+                publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress,
+                             trackers=trackers)
+                apply_retention(layout, retention, step, opts, pruned=pruned)
+                if step > last:
+                    step_wall.append(time.perf_counter() - t0)
     finally:
         publisher.close()
         trackers.close()
