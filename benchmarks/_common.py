@@ -33,3 +33,14 @@ def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
         out = fn()
         best = min(best, time.perf_counter() - t0)
     return best, out
+
+
+def smollm2_available() -> bool:
+    """Whether ``builtin:smollm2`` resolves (the offline SmolLM2-135M package, ``make smollm2``)."""
+    from flows.models import resolve_model_path
+
+    try:
+        resolve_model_path("builtin:smollm2")  # converted once from the offline package
+        return True
+    except Exception:  # noqa: BLE001 - the package is optional: reported, not fatal
+        return False

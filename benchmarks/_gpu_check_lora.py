@@ -177,12 +177,7 @@ def _policy_fp32_logprobs(worker: PolicyWorker, out: dict[str, torch.Tensor]) ->
 
 def case_rows(case: pol.ModelCase, gpu: bool, tmp: Path, log: Callable[[str], None]) -> list[Row]:
     """Both precisions of one model: train, reference and refit rows on one LoRA worker each."""
-    ref = pol.CpuReference(case.path)
-    batch = pol.make_batch(case, ref.vocab)
-    reference = ref.logprobs(batch["input_ids"], batch["input_lengths"])
-    pol.add_grpo_inputs(batch, reference)
-    data = pol.prompts(batch, case)
-    size = f"{case.name} ({ref.parameters() / 1e6:.1f}M)"
+    _, batch, reference, data, size = pol.case_inputs(case)
     rows: list[Row] = []
     for precision in pol.PRECISIONS:
         where = f"{'cuda' if gpu else 'cpu'} {precision}, {size}"

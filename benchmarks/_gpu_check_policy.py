@@ -168,6 +168,16 @@ def prompts(batch: BatchedDataDict, case: ModelCase) -> BatchedDataDict:
                             "input_lengths": lengths})
 
 
+def case_inputs(case: ModelCase) -> tuple[CpuReference, BatchedDataDict, torch.Tensor, BatchedDataDict, str]:
+    """What every check of one model uses: its CPU fp32 reference, a GRPO batch with inputs from
+    that reference, the reference logprobs, the prompts and a size label such as ``tiny (0.1M)``."""
+    ref = CpuReference(case.path)
+    batch = make_batch(case, ref.vocab)
+    reference = ref.logprobs(batch["input_ids"], batch["input_lengths"])
+    add_grpo_inputs(batch, reference)
+    return ref, batch, reference, prompts(batch, case), f"{case.name} ({ref.parameters() / 1e6:.1f}M)"
+
+
 def _generation_row(check: str, where: str, out: Any, data: BatchedDataDict, ref: CpuReference, tol: float,
                     seconds: float, new_tokens: int) -> Row:
     expect = torch.full_like(out["generation_lengths"], new_tokens)

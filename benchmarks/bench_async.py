@@ -26,7 +26,7 @@ import os
 import tempfile
 from typing import Any
 
-from benchmarks._common import quiet_env
+from benchmarks._common import quiet_env, smollm2_available
 
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
 
@@ -91,16 +91,6 @@ def learning(steps: int, sft_steps: int, tmp: str) -> dict[str, Any]:
     return {"sync": sync, "async": asyn}
 
 
-def _smollm2_available() -> bool:
-    from flows.models import resolve_model_path
-
-    try:
-        resolve_model_path("builtin:smollm2")  # converted once from the offline package
-        return True
-    except Exception:  # noqa: BLE001 - the package is optional: reported, not fatal
-        return False
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the tiny comparison only (make bench-quick)")
@@ -115,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         quiet_env(prefect_home=os.path.join(tmp, "prefect"))
         out = {"tiny": compare("tiny", "configs/grpo_tiny.yaml", ["logger.step_subflows=false", *args.overrides], args.steps, tmp)}
         if not (args.quick or args.no_smollm):
-            if _smollm2_available():
+            if smollm2_available():
                 smol = ["logger.step_subflows=false", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
                         *args.overrides]
                 out["smollm2"] = compare("smollm2", "configs/grpo_smollm2.yaml", smol, max(3, args.steps // 2), tmp)

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import quiet_env
+from benchmarks._common import quiet_env, smollm2_available
 
 SMOLLM2_CONFIG = "configs/grpo_smollm2.yaml"
 TINY_CONFIG = "configs/grpo_tiny.yaml"
@@ -88,16 +88,6 @@ def lora_overrides(rank: int) -> list[str]:
 def variants() -> dict[str, list[str]]:
     """Name -> overrides of the three compared configs (the full run first: it samples the batch)."""
     return {"full": [], **{f"lora-r{r}": lora_overrides(r) for r in LORA_RANKS}}
-
-
-def smollm2_available() -> bool:
-    from flows.models import resolve_model_path
-
-    try:
-        resolve_model_path("builtin:smollm2")  # converted once from the offline package
-        return True
-    except Exception:  # noqa: BLE001 - the package is optional: reported, not fatal
-        return False
 
 
 def build_stand_in(out_dir: str, seed: int = 0) -> str:

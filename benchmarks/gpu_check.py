@@ -125,12 +125,7 @@ def group_rows(gpu: bool) -> list[Row]:
 def case_rows(case: pol.ModelCase, gpu: bool, tmp: Path, log: Callable[[str], None], lifecycle: bool) -> list[Row]:
     """Both precisions of one model: policy worker checks (and, with ``lifecycle``, offload and
     profiling on the trained fp32 worker), then the generation worker."""
-    ref = pol.CpuReference(case.path)
-    batch = pol.make_batch(case, ref.vocab)
-    reference = ref.logprobs(batch["input_ids"], batch["input_lengths"])
-    pol.add_grpo_inputs(batch, reference)
-    data = pol.prompts(batch, case)
-    size = f"{case.name} ({ref.parameters() / 1e6:.1f}M)"
+    ref, batch, reference, data, size = pol.case_inputs(case)
     device = "cuda" if gpu else "cpu"
     rows: list[Row] = []
     for precision in pol.PRECISIONS:
