@@ -96,7 +96,10 @@ cmd_start() {
     --dashboard-agent-listen-port="$W_AL" --dashboard-agent-grpc-port="$W_AG" \
     --runtime-env-agent-port="$W_RE" --metrics-export-port="$W_ME" \
     --resources='{"node_gen": 1}'
-  wait_nodes 2 180
+  wait_nodes 2 180 || {
+    for n in worker head; do echo "--- $n node log (tail):" >&2; tail -20 "$DIR/$n.log" >&2 || true; done
+    return 1
+  }
   cat >"$DIR/env" <<EOF
 export RAY_ADDRESS=127.0.0.1:$GCS
 export RAY_AUTH_MODE=token

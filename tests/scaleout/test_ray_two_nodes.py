@@ -59,6 +59,18 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 
+def _start_cluster(env: dict[str, str]) -> str:
+    """Bring the two-node cluster up, once more after a failed bring-up (printed with its node
+    logs): in one CI run the worker node never registered within 180 s under load, and passed on
+    its own. The test still fails if the second bring-up fails too."""
+    try:
+        return run(["bash", SCRIPT, "start"], env, timeout=400)
+    except AssertionError as first:
+        print(f"two-node bring-up failed once, starting again: {first}")
+        run(["bash", SCRIPT, "stop"], env, timeout=300)
+        return run(["bash", SCRIPT, "start"], env, timeout=400)
+
+
 @pytest.mark.slow
 def test_policy_and_generation_on_different_nodes(tmp_path, tiny_model_dir):
     tmp = str(tmp_path)
@@ -67,7 +79,7 @@ def test_policy_and_generation_on_different_nodes(tmp_path, tiny_model_dir):
     storage_root = os.path.join(tmp, "runs")
     procs: list[psutil.Process] = []
     try:
-        out = run(["bash", SCRIPT, "start"], env, timeout=400)
+        out = _start_cluster(env)
         address = re.search(r"RAY_ADDRESS=(\S+)", out).group(1)
         assert address.startswith("127.0.0.1:")
         cluster = read_env_file(os.path.join(state, "env"))
