@@ -44,3 +44,13 @@ def smollm2_available() -> bool:
         return True
     except Exception:  # noqa: BLE001 - the package is optional: reported, not fatal
         return False
+
+
+def val_accuracy(root: str, run_id: str, step: int) -> float | None:
+    """The held-out accuracy recorded by the validation at ``step`` of a run (``None``: none committed)."""
+    import storage
+
+    uri = os.path.join(root, run_id, "steps", f"step_{step:06d}", "val")
+    if not storage.is_committed(uri):
+        return None
+    return storage.read_manifest(uri).meta.get("val_accuracy")

@@ -24,22 +24,13 @@ import os
 import tempfile
 from typing import Any
 
-from benchmarks._common import quiet_env
+from benchmarks._common import quiet_env, val_accuracy
 
 PRESETS = {
     "default": [],
     "trl-like": ["grpo.use_leave_one_out_baseline=false", "grpo.normalize_rewards=true", "loss_fn.token_level_loss=true",
                  "policy.optimizer.kwargs.weight_decay=0.0", "loss_fn.reference_policy_kl_penalty=0.0"],
 }
-
-
-def _val_accuracy(root: str, run_id: str, step: int) -> float | None:
-    import storage
-
-    uri = os.path.join(root, run_id, "steps", f"step_{step:06d}", "val")
-    if not storage.is_committed(uri):
-        return None
-    return storage.read_manifest(uri).meta.get("val_accuracy")
 
 
 def run(config: str, overrides: list[str], steps: int, seed: int, tag: str, tmp: str) -> dict[str, Any]:
@@ -57,7 +48,7 @@ def run(config: str, overrides: list[str], steps: int, seed: int, tag: str, tmp:
     res = grpo(config=cfg, run_id=run_id)
     rewards = [float(r.get("reward_mean") or 0.0) for r in read_metrics(res["metrics_uri"])]
     k = min(5, len(rewards))
-    return {"before": _val_accuracy(root, run_id, 0), "after": _val_accuracy(root, run_id, steps),
+    return {"before": val_accuracy(root, run_id, 0), "after": val_accuracy(root, run_id, steps),
             "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k}
 
 

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import quiet_env, smollm2_available
+from benchmarks._common import quiet_env, smollm2_available, val_accuracy
 
 SMOLLM2_CONFIG = "configs/grpo_smollm2.yaml"
 TINY_CONFIG = "configs/grpo_tiny.yaml"
@@ -330,7 +330,6 @@ def resources(config: str, model: str | None, label: str, overrides: list[str], 
 # ---------------------------------------------------------------------------------------- learning
 def learning_run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     """One GRPO flow run: per-step reward and held-out greedy accuracy before and after."""
-    from benchmarks.bench_learning import _val_accuracy
     from flows.config import load_config
     from flows.grpo import grpo
     from flows.metrics import read_metrics
@@ -347,7 +346,7 @@ def learning_run(config: str, overrides: list[str], steps: int, tag: str, tmp: s
     rewards = [float(r.get("reward_mean") or 0.0) for r in read_metrics(res["metrics_uri"])]
     k = min(3, len(rewards))
     return {"rewards": rewards, "reward_first3": sum(rewards[:k]) / k, "reward_last3": sum(rewards[-k:]) / k,
-            "before": _val_accuracy(root, run_id, 0), "after": _val_accuracy(root, run_id, steps),
+            "before": val_accuracy(root, run_id, 0), "after": val_accuracy(root, run_id, steps),
             "lr": cfg.policy.optimizer.kwargs.lr, "wall_s": time.perf_counter() - t0}
 
 

@@ -197,7 +197,7 @@ class RefitInfo:
         expects (``adapter``: the layout the receiver applies the tensors with)."""
         size = self.buffer_size_bytes if buffer_size_bytes is None else buffer_size_bytes
         expected = _normalize(expected_metadata)
-        if (adapter is None) != (self.adapter is None) or (adapter is not None and adapter != self.adapter):
+        if adapter != self.adapter:  # another layout, or full weights on one side only
             raise RefitMismatchError(
                 f"refit mismatch: the producer sends {_layout(self.adapter)}, the receiver applies {_layout(adapter)}"
             )

@@ -88,11 +88,9 @@ class RefitMixin:
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
             for n, t in self._refit_source(merge=False)
         )
-        adapter = None
-        if self._adapters_only():
-            from nrl_tasks.models.policy.workers.lora import adapter_layout
+        from nrl_tasks.models.policy.workers.lora import adapter_layout
 
-            adapter = adapter_layout(self.model.get_base_model())
+        adapter = adapter_layout(self.model.get_base_model()) if self._adapters_only() else None
         self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version, adapter)
         return self._refit_info.to_dict()
 
