@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A two-node Ray cluster on this machine: a head node carrying the custom resource
-# {"node_policy": 1} and a worker node carrying {"node_gen": 1}, both on 127.0.0.1 with
-# explicit ports, their own temp dirs and token authentication (RAY_AUTH_MODE=token, a random
+# {"node_policy": 1} and a worker node carrying {"node_gen": 1}, started with
+# --node-ip-address=127.0.0.1 (Ray resolves it to the machine's routable address for a
+# multi-node cluster, so the nodes are reachable there, behind the token), explicit ports,
+# their own temp dirs and token authentication (RAY_AUTH_MODE=token, a random
 # token in $DIR/auth_token, mode 0600). Each `ray start --block` runs in its own process group
 # and is stopped by its PID (never `ray stop`: that kills every Ray on the machine).
 #
@@ -25,6 +27,12 @@ if [ -x "$REPO/.venv/bin/ray" ]; then BIN="$REPO/.venv/bin"; else BIN="$(dirname
 PY="$BIN/python"
 
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token" RAY_USAGE_STATS_ENABLED=0
+# Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER on every platform: a value other than 1/true makes
+# `ray start --address=...` abort ("Multi-node Ray clusters are not supported on Windows and
+# OSX"), even on Linux, where its default is on. The project's local Ray sets it to 0 while it
+# starts (loopback only); a pytest process once leaked it into this script and the worker node
+# never joined. A second node is what this script is for, so it sets it.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -39,16 +47,23 @@ for s in socks: s.close()
 EOF
 }
 
-wait_nodes() {  # wait until $1 nodes are alive (timeout $2 s)
-  "$PY" - "$1" "$2" "$(cat "$DIR/address")" <<'EOF'
-import sys, time, ray
-want, timeout, addr = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+wait_nodes() {  # wait until $1 nodes are alive (timeout $2 s); fail at once if a node's
+  # `ray start --block` process has exited (its pid files follow as arguments)
+  "$PY" - "$1" "$2" "$(cat "$DIR/address")" "${@:3}" <<'EOF'
+import os, sys, time, ray
+want, timeout, addr, pidfiles = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
 ray.init(address=addr, log_to_driver=False, logging_level="ERROR")
 deadline = time.monotonic() + timeout
 while True:
     n = len([x for x in ray.nodes() if x.get("Alive")])
     if n >= want:
         break
+    for f in pidfiles:
+        pid = int(open(f).read())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            sys.exit(f"{os.path.basename(f)[:-4]} node (pid {pid}) exited; {n} of {want} Ray nodes alive")
     if time.monotonic() > deadline:
         sys.exit(f"only {n} of {want} Ray nodes alive after {timeout:g} s")
     time.sleep(0.5)
@@ -96,7 +111,7 @@ cmd_start() {
     --dashboard-agent-listen-port="$W_AL" --dashboard-agent-grpc-port="$W_AG" \
     --runtime-env-agent-port="$W_RE" --metrics-export-port="$W_ME" \
     --resources='{"node_gen": 1}'
-  wait_nodes 2 180 || {
+  wait_nodes 2 180 "$DIR/head.pid" "$DIR/worker.pid" || {
     for n in worker head; do echo "--- $n node log (tail):" >&2; tail -20 "$DIR/$n.log" >&2 || true; done
     return 1
   }

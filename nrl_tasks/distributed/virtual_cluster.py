@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ def init_ray(
     Order: an already initialised Ray in this process is reused (idempotent); else
     ``address`` or the ``RAY_ADDRESS`` environment variable is connected to; else a local
     Ray is started with ``num_cpus`` logical CPUs (no dashboard, ``temp_dir`` as its temp
-    root, see :func:`local_ray_options`). ``namespace`` becomes the driver's default namespace
-    (named actors and placement groups are looked up there).
+    root, loopback only: see :func:`local_ray_options` and :func:`loopback_only`).
+    ``namespace`` becomes the driver's default namespace (named actors and placement groups
+    are looked up there).
     """
     ray = _ray()
     if ray.is_initialized():
@@ -60,7 +62,8 @@ def init_ray(
     else:
         if num_cpus is not None and num_cpus <= 0:
             raise ValueError(f"init_ray: num_cpus must be > 0, got {num_cpus}")
-        ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, **local_ray_options(), **kwargs)
+        with loopback_only():
+            ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, **local_ray_options(), **kwargs)
     return ray.get_runtime_context().gcs_address
 
 
@@ -70,22 +73,43 @@ LOCAL_WORKER_NICENESS = 0
 
 
 def local_ray_options() -> dict[str, Any]:
-    """``ray.init`` options of a local (one-machine) Ray, and the one switch that keeps it on loopback.
+    """``ray.init`` options of a local (one-machine) Ray: no dashboard, workers at niceness
+    :data:`LOCAL_WORKER_NICENESS` (``worker_niceness``). Start it inside :func:`loopback_only`."""
+    return {"include_dashboard": False, "_system_config": {"worker_niceness": LOCAL_WORKER_NICENESS}}
 
-    - No dashboard; workers at niceness :data:`LOCAL_WORKER_NICENESS` (``worker_niceness``).
-    - Loopback only: Ray resolves ``127.0.0.1`` given as the node address to the machine's routable
-      address, so its servers (GCS, raylets, core workers, the runtime-env agent, the autoscaler's
-      unauthenticated Prometheus endpoint on port 44217) listen on every interface or the node
-      address. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the node to be a one-machine
-      "cluster" and uses the loopback address for all of them (Ray 2.60; verified by reading the
-      listening sockets). The variable is read when ``ray`` is imported, so it is set for the
-      processes Ray starts and, for this process, on the already imported constants module.
+
+#: Ray's switch for multi-node clusters; off, it takes the node to be a one-machine "cluster".
+_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextmanager
+def loopback_only() -> Iterator[None]:
+    """Within it, a local Ray that ``ray.init`` starts listens on loopback only.
+
+    Ray resolves ``127.0.0.1`` given as the node address to the machine's routable address, so
+    its servers (GCS, raylets, core workers, the runtime-env agent, the autoscaler's
+    unauthenticated Prometheus endpoint on port 44217) listen on every interface or the node
+    address. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` it uses the loopback address for all of
+    them (Ray 2.60; verified by reading the listening sockets). The daemons ``ray.init`` starts
+    take the variable from this process's environment, and this process reads it through the
+    already imported constants module, so both are switched; both are put back on exit. Left in
+    the environment, the switch would reach every later child of this process: a
+    ``ray start --address=...`` there refuses to join a cluster ("not supported on Windows and
+    OSX"), which is how it once broke a two-node test run after an in-process flow.
     """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray._private import ray_constants
 
+    saved_env, saved_flag = os.environ.get(_CLUSTER_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_CLUSTER_SWITCH] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    return {"include_dashboard": False, "_system_config": {"worker_niceness": LOCAL_WORKER_NICENESS}}
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_CLUSTER_SWITCH, None)
+        else:
+            os.environ[_CLUSTER_SWITCH] = saved_env
 
 
 def local_head_session_dir() -> str | None:

@@ -7,7 +7,7 @@ store of the broadcast groups (refit); and by parsing every server command of th
 
 A local Ray (the project's ``connect_ray``) listens on loopback only too: its GCS, raylets,
 core workers, runtime-env agent and the autoscaler's (unauthenticated) metrics endpoint, through
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (see ``nrl_tasks.distributed.virtual_cluster.local_ray_options``);
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (see ``nrl_tasks.distributed.virtual_cluster.loopback_only``);
 its workers run at niceness 0, not Ray's default 15. The project also leaves Ray's token
 authentication on (only the test session turns it off).
 """
@@ -190,7 +190,8 @@ for p in [me] + me.children(recursive=True):
                 socks.append([p.pid, p.name(), " ".join(p.cmdline())[:200], c.laddr.ip, c.laddr.port])
     except psutil.Error:
         pass
-print(json.dumps({"socks": socks, "nice": nice, "gcs": ray.get_runtime_context().gcs_address}))
+switch = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # must not outlive the start
+print(json.dumps({"socks": socks, "nice": nice, "gcs": ray.get_runtime_context().gcs_address, "switch": switch}))
 ray.shutdown()
 """
 
@@ -218,3 +219,7 @@ def test_local_ray_of_the_project_listens_on_loopback_only_and_runs_workers_at_n
     assert_loopback_only([tuple(s[:2]) + tuple(s[3:]) for s in data["socks"]], "the project's local Ray")
     assert data["gcs"].startswith("127.0.0.1:")
     assert data["nice"] == 0  # not Ray's default 15
+    # the loopback switch was not left in the flow process's environment, where every later
+    # child (a `ray start --address=...` among them) would inherit it; the Probe actor, started
+    # after it was put back, is among the loopback-only listeners above
+    assert data["switch"] is None
