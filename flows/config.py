@@ -339,11 +339,19 @@ class MasterConfig(_Section):
 
     def generation_config(self) -> GenerationConfig:
         """The generation config the workers run: ``model_name`` defaults to the policy's and
-        built-in model names are resolved to local folders."""
+        built-in model names are resolved to local folders. With LoRA on and the vLLM backend,
+        vLLM's LoRA support is switched on for the adapters-only refits (``llm_kwargs``
+        ``enable_lora``, ``max_lora_rank`` = ``lora_cfg.dim``, one adapter at a time), unless
+        ``generation.vllm_cfg.llm_kwargs`` sets those keys itself."""
         from flows.models import resolve_model_path
 
         g = self.gen
-        return g.model_copy(update={"model_name": resolve_model_path(g.model_name or self.policy.model_name)})
+        update: dict[str, Any] = {"model_name": resolve_model_path(g.model_name or self.policy.model_name)}
+        lora = self.policy.dtensor_cfg.lora_cfg
+        if g.backend == "vllm" and lora.enabled:
+            llm_kwargs = {"enable_lora": True, "max_lora_rank": lora.dim, "max_loras": 1, **g.vllm_cfg.llm_kwargs}
+            update["vllm_cfg"] = g.vllm_cfg.model_copy(update={"llm_kwargs": llm_kwargs})
+        return g.model_copy(update=update)
 
     def policy_config(self) -> PolicyConfig:
         """The PolicyConfig the actors run: ``generation`` filled in (its temperature divides the

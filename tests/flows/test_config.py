@@ -111,6 +111,19 @@ def test_policy_config_fills_generation_and_resolves_builtin(tmp_path, monkeypat
     assert cfg.max_prompt_tokens() == 64 - 8
 
 
+def test_lora_with_the_vllm_backend_switches_on_vllm_lora(tmp_path, monkeypatch):
+    """LoRA + vLLM: the generation workers get vLLM's LoRA switches (the adapters-only refits need
+    them); keys the user set in llm_kwargs win; without LoRA or with the HF backend none are added."""
+    monkeypatch.setenv("NRL_MODEL_CACHE", str(tmp_path))
+    lora = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4", "cluster.gpus_per_node=1"]
+    gen = load_config("configs/grpo_tiny_lora.yaml", ["generation.backend=vllm", *lora]).generation_config()
+    assert gen.vllm_cfg.llm_kwargs == {"enable_lora": True, "max_lora_rank": 4, "max_loras": 1}
+    own = load_config(TINY, ["generation.backend=vllm", *lora, 'generation.vllm_cfg.llm_kwargs={"max_lora_rank": 64}'])
+    assert own.generation_config().vllm_cfg.llm_kwargs["max_lora_rank"] == 64
+    assert load_config(TINY, [*lora]).generation_config().vllm_cfg.llm_kwargs == {}
+    assert load_config(TINY, ["generation.backend=vllm", "cluster.gpus_per_node=1"]).generation_config().vllm_cfg.llm_kwargs == {}
+
+
 def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
     """``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``: defaults from the stage errors module, set
     from YAML or ``key=value``, validated, turned into the flow's retry budget, and outside the config

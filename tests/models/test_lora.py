@@ -144,14 +144,13 @@ def test_adapters_only_refit_info_lists_the_adapters_and_their_layout(tiny_model
             info.check(info.metadata)
 
 
-def test_merged_refit_tensors_are_the_hf_weights_of_the_adapted_model(tiny_model_dir):
-    """With the vLLM backend a refit sends the merged HF weights (vLLM loads plain HF tensors)."""
+def test_merged_tensors_are_the_hf_weights_of_the_adapted_model(tiny_model_dir):
+    """What ``save_merged`` writes: the HF weights of the adapted model, as copies (the live
+    weights untouched), bit-identical to peft's in-place merge."""
     from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
-    from nrl_tasks.models.generation.interfaces import GenerationConfig
 
     ids = make_batch(4, WIDTH, seed=5, rl_keys=False)["input_ids"]
-    cfg = _cfg(tiny_model_dir).model_copy(update={"generation": GenerationConfig(model_name=tiny_model_dir, backend="vllm")})
-    with in_process_worker(cfg) as worker:
+    with in_process_worker(_cfg(tiny_model_dir)) as worker:
         worker.train(make_batch(GBS, WIDTH, seed=4), LOSS)
         live = _state(worker)
         merged = dict(merged_named_tensors(worker.model))
@@ -161,14 +160,29 @@ def test_merged_refit_tensors_are_the_hf_weights_of_the_adapted_model(tiny_model
         hf.load_state_dict(merged, strict=False)
         worker.model.eval()
         torch.testing.assert_close(_logits(hf, ids), _logits(worker.model, ids), rtol=1e-5, atol=1e-5)
-        # what the refit sends (and checks) is what a generation worker holding ``hf`` reports
-        assert worker.weights_checksum() == weights_checksum(hf_refit_named_tensors(hf))
-        assert worker.prepare_refit_info() is not None
         # the copy equals peft's in-place merge bit for bit; merge + unmerge need not give W back
         twin = copy.deepcopy(worker.model)
         twin.merge_adapter()
         in_place = dict(merged_named_tensors(twin, merge=False))
         assert all(torch.equal(in_place[k], v) for k, v in merged.items())
+
+
+def test_a_vllm_generation_backend_gets_adapters_only_refits_too(tiny_model_dir):
+    """The vLLM backend applies adapters with vLLM's LoRA support, so its refit info is the same
+    adapters-only one as the HF backend's (layout, names and checksum)."""
+    from nrl_tasks.models.generation.interfaces import GenerationConfig
+    from nrl_tasks.utils.refit import RefitInfo
+
+    infos = []
+    for backend in ("hf", "vllm"):
+        cfg = _cfg(tiny_model_dir).model_copy(update={"generation": GenerationConfig(model_name=tiny_model_dir, backend=backend)})
+        with in_process_worker(cfg) as worker:
+            worker.train(make_batch(GBS, WIDTH, seed=4), LOSS)
+            infos.append((RefitInfo.from_dict(worker.prepare_refit_info()), worker.weights_checksum()))
+    (hf_info, hf_sum), (vllm_info, vllm_sum) = infos
+    assert vllm_info.adapter is not None and vllm_info.adapter == hf_info.adapter
+    assert vllm_info.fingerprint == hf_info.fingerprint and vllm_sum == hf_sum
+    assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n, _, _ in vllm_info.metadata)
 
 
 def test_checkpoint_is_a_peft_adapter_and_a_merged_hf_folder(tiny_model_dir, tmp_path):

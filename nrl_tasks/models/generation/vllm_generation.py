@@ -23,11 +23,19 @@ Output conventions versus the ``hf`` backend:
 * ``weights_checksum()`` is the checksum of the bytes received by the last refit (computed as
   they arrive; vLLM keeps fused/repacked weights that cannot be hashed in HF layout), or of the
   checkpoint when no refit happened yet.
+
+A LoRA policy refits only its adapters; this backend applies them with vLLM's own LoRA support
+(``llm_kwargs`` ``enable_lora`` and ``max_lora_rank``, which the flow sets from
+``policy.dtensor_cfg.lora_cfg``): see :mod:`~nrl_tasks.models.generation.vllm_lora`. A worker
+started without LoRA refuses an adapters-only refit at ``prepare_refit_info``, naming the keys.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import typing
 from typing import Any
 
 import torch
@@ -36,6 +44,7 @@ from nrl_tasks.models.generation.hf_generation import RayGenerationGroup
 from nrl_tasks.models.generation.hf_sampling import build_generation_output, resolve_pad_and_stop_ids
 from nrl_tasks.models.generation.hf_worker import GenerationWorkerBase, hf_refit_named_tensors, merge_stop_strings
 from nrl_tasks.models.generation.interfaces import GenerationConfig
+from nrl_tasks.models.generation.vllm_lora import adapter_refit_metadata, vllm_lora_rank
 from nrl_tasks.models.generation.vllm_worker_extension import NRL_WORKER_EXTENSION
 
 __all__ = ["VllmGeneration", "VllmGenerationWorker", "require_vllm", "vllm_available"]
@@ -99,13 +108,24 @@ class VllmGenerationWorker(GenerationWorkerBase):
         if vcfg.max_model_len is not None:
             kwargs["max_model_len"] = vcfg.max_model_len
         kwargs.update(vcfg.llm_kwargs)
+        if kwargs.get("enable_lora") and kwargs.get("max_lora_rank") is not None:
+            from vllm.config.lora import MaxLoRARanks
+
+            kwargs["max_lora_rank"] = vllm_lora_rank(kwargs["max_lora_rank"], typing.get_args(MaxLoRARanks))
         self.llm = vllm.LLM(**kwargs)
+        lora_cfg = getattr(self.llm.llm_engine.vllm_config, "lora_config", None)
+        self._max_lora_rank = None if lora_cfg is None else int(lora_cfg.max_lora_rank)
+        self._adapter: dict[str, Any] | None = None  # the layout adapters-only refits carry
+        self._lora_request: Any = None  # the adapter every generate applies (vllm.lora.request.LoRARequest)
+        self._lora_ids = 0
+        self._lora_root = tempfile.mkdtemp(prefix="nrl-vllm-lora-") if self._max_lora_rank else None
         self._sampling_params_cls = vllm.SamplingParams
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.pad_token_id, self.stop_token_ids = resolve_pad_and_stop_ids(
             None, self.tokenizer, cfg.stop_token_ids, ignore_eos=cfg.ignore_eos, pad_token_id=cfg.pad_token_id
         )
         self._checksum: str | None = None
+        self._meta: torch.nn.Module | None = None
         self._meta_cache: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
 
     def ready(self) -> dict[str, Any]:
@@ -154,7 +174,7 @@ class VllmGenerationWorker(GenerationWorkerBase):
             self._sampling_params(greedy, None if seeds is None else int(seeds[i]), None if stops is None else stops[i])
             for i in range(batch)
         ]
-        results = self.llm.generate(prompts, params, use_tqdm=False)
+        results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         gen_ids, gen_lps, truncated = [], [], []
         for res in results:
             comp = res.outputs[0]
@@ -165,16 +185,52 @@ class VllmGenerationWorker(GenerationWorkerBase):
         return build_generation_output(input_ids, lengths, gen_ids, gen_lps, truncated, self.pad_token_id)
 
     # ---------------------------------------------------------------- refit
-    def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """HF-layout refit tensors of the checkpoint's architecture (meta device), generation dtype."""
-        if self._meta_cache is None:
+    def _meta_model(self) -> torch.nn.Module:
+        """The checkpoint's architecture on the meta device, in the generation dtype (cached)."""
+        if self._meta is None:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             config = AutoConfig.from_pretrained(self.model_path)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
-            self._meta_cache = [(n, tuple(t.shape), t.dtype) for n, t in hf_refit_named_tensors(model)]
+                self._meta = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        return self._meta
+
+    def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """HF-layout refit tensors of the checkpoint's architecture (meta device), generation dtype;
+        after an adapters-only refit info, the adapter tensors of its layout."""
+        if self._adapter is not None:
+            return adapter_refit_metadata(self._meta_model(), self._adapter, self.dtype)
+        if self._meta_cache is None:
+            self._meta_cache = [(n, tuple(t.shape), t.dtype) for n, t in hf_refit_named_tensors(self._meta_model())]
         return list(self._meta_cache)
+
+    def _adapter_layout(self) -> dict[str, Any] | None:
+        return self._adapter
+
+    def _adopt_adapter_layout(self, adapter: dict[str, Any] | None) -> None:
+        """Take adapters-only refits of ``adapter`` from now on: needs an engine with LoRA on and
+        a ``max_lora_rank`` of at least the adapter's rank (else ``RefitMismatchError`` naming
+        the keys, before any byte moves)."""
+        if adapter is None or adapter == self._adapter:
+            return
+        from nrl_tasks.utils.refit import RefitMismatchError
+
+        if self._max_lora_rank is None:
+            raise RefitMismatchError(
+                f"vLLM generation worker {self.rank} was started without LoRA support, and the policy sends LoRA "
+                "adapters: set generation.vllm_cfg.llm_kwargs enable_lora: true and max_lora_rank >= "
+                f"{adapter.get('r')} (the flow sets them from policy.dtensor_cfg.lora_cfg)"
+            )
+        if int(adapter["r"]) > self._max_lora_rank:
+            raise RefitMismatchError(
+                f"the policy sends LoRA adapters of rank {adapter['r']}, above this vLLM worker's max_lora_rank "
+                f"{self._max_lora_rank} (generation.vllm_cfg.llm_kwargs.max_lora_rank)"
+            )
+        try:
+            adapter_refit_metadata(self._meta_model(), adapter, self.dtype)
+        except ValueError as exc:
+            raise RefitMismatchError(str(exc)) from None
+        self._adapter = dict(adapter)
 
     def _collective_backend(self) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -192,13 +248,45 @@ class VllmGenerationWorker(GenerationWorkerBase):
     def _consume_weights(self, info: Any) -> dict[str, Any]:
         self._checksum = None
         metadata = info.to_dict()["metadata"]
+        if info.adapter is not None:
+            return self._consume_adapter(info, metadata)
         replies = self.llm.collective_rpc("nrl_update_weights", args=(metadata, info.buffer_size_bytes, True))
         self.llm.reset_prefix_cache()
+        self._checksum = self._one_checksum(replies)
+        return {"tensors": replies[0]["tensors"], "checksum": self._checksum}
+
+    @staticmethod
+    def _one_checksum(replies: list[dict[str, Any]]) -> str:
         sums = {r["checksum"] for r in replies}
         if len(sums) != 1:
             raise RuntimeError(f"vLLM workers received different bytes: checksums {sorted(map(str, sums))}")
-        self._checksum = sums.pop()
-        return {"tensors": replies[0]["tensors"], "checksum": self._checksum}
+        return sums.pop()
+
+    def _consume_adapter(self, info: Any, metadata: list[Any]) -> dict[str, Any]:
+        """Adapters-only refit: the vLLM workers receive the adapters and write a PEFT folder; it
+        is registered under a new LoRA id (vLLM caches adapters by id) and replaces the last one."""
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._lora_ids + 1
+        path = os.path.join(self._lora_root, f"adapter-{lora_id:06d}")
+        try:
+            replies = self.llm.collective_rpc(
+                "nrl_update_adapter", args=(metadata, info.buffer_size_bytes, info.adapter, path, self.model_path)
+            )
+            checksum = self._one_checksum(replies)
+            request = LoRARequest(f"nrl-refit-{lora_id}", lora_id, path)
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the refitted LoRA adapter from {path}")
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        previous, self._lora_request, self._lora_ids = self._lora_request, request, lora_id
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self._checksum = checksum
+        return {"tensors": replies[0]["tensors"], "checksum": checksum}
 
     def weights_checksum(self) -> str:
         """Checksum of the last refit's bytes, or of the checkpoint (in HF layout) before any refit."""
@@ -213,6 +301,8 @@ class VllmGenerationWorker(GenerationWorkerBase):
 
     def shutdown(self) -> bool:
         super().shutdown()
+        if getattr(self, "_lora_root", None):
+            shutil.rmtree(self._lora_root, ignore_errors=True)
         llm = getattr(self, "llm", None)
         self.llm = None
         del llm

@@ -80,7 +80,8 @@ def checksum_tee(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[Iterator[tu
 
 
 class NrlWorkerExtension:
-    """Methods mixed into vLLM's worker: join the refit group, receive and load weights."""
+    """Methods mixed into vLLM's worker: join the refit group, receive and load weights (or, for a
+    LoRA policy, receive adapters and write them for vLLM's LoRA loader)."""
 
     def nrl_init_collective(
         self, host: str, port: int, base_rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
@@ -101,6 +102,23 @@ class NrlWorkerExtension:
         if group is not None:
             group.close()
 
+    def _nrl_receive(self, metadata: list[Any], buffer_size_bytes: int, with_checksum: bool) -> tuple[Iterator[tuple[str, torch.Tensor]], Any]:
+        """The packed broadcast of ``metadata`` from rank 0 as ``(name, tensor)`` pairs (tensors
+        live in reused receive buffers: copy what is kept), and the checksum's ``result()`` or None."""
+        from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
+        from nrl_tasks.utils.refit import metadata_to_consumer_iter
+
+        group = getattr(self, "_nrl_group", None)
+        if group is None:
+            raise RuntimeError("nrl refit: call nrl_init_collective first")
+        stream = packed_broadcast_consumer(
+            metadata_to_consumer_iter(metadata), group, 0, None, return_iterator=True,
+            buffer_size_bytes=int(buffer_size_bytes),
+        )
+        if not with_checksum:
+            return stream, None
+        return checksum_tee(stream)
+
     def nrl_update_weights(self, metadata: list[Any], buffer_size_bytes: int, with_checksum: bool = True) -> dict[str, Any]:
         """Receive one packed broadcast (src rank 0) and reload the weights in place.
 
@@ -109,22 +127,10 @@ class NrlWorkerExtension:
         On failure the group is closed (re-create it before retrying) and vLLM's reload state is
         reset so that the retry can load every layer again.
         """
-        from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
-        from nrl_tasks.utils.refit import metadata_to_consumer_iter
-
-        group = getattr(self, "_nrl_group", None)
-        if group is None:
-            raise RuntimeError("nrl_update_weights: call nrl_init_collective first")
         expected = len(metadata)
         count = 0
         try:
-            stream = packed_broadcast_consumer(
-                metadata_to_consumer_iter(metadata), group, 0, None, return_iterator=True,
-                buffer_size_bytes=int(buffer_size_bytes),
-            )
-            checksum = None
-            if with_checksum:
-                stream, checksum = checksum_tee(stream)
+            stream, checksum = self._nrl_receive(metadata, buffer_size_bytes, with_checksum)
 
             def counted() -> Iterator[tuple[str, torch.Tensor]]:
                 # vLLM's layerwise reload keeps references to a layer's tensors until the whole
@@ -143,6 +149,27 @@ class NrlWorkerExtension:
         except BaseException:
             self.nrl_teardown_collective()
             self._nrl_abort_reload()
+            raise
+
+    def nrl_update_adapter(
+        self, metadata: list[Any], buffer_size_bytes: int, layout: dict[str, Any], out_dir: str, base_model: str
+    ) -> dict[str, Any]:
+        """Receive an adapters-only refit (src rank 0); tensor-parallel rank 0 writes it as a PEFT
+        folder at ``out_dir`` (:func:`~nrl_tasks.models.generation.vllm_lora.write_adapter_folder`)
+        for the actor's ``LoRARequest``. Returns ``{"tensors", "checksum"}``; on failure the group
+        is closed and no folder is left at ``out_dir``."""
+        from nrl_tasks.models.generation.vllm_lora import write_adapter_folder
+
+        try:
+            stream, checksum = self._nrl_receive(metadata, buffer_size_bytes, True)
+            tensors = {name: tensor.clone() for name, tensor in stream}
+            if len(tensors) != len(metadata):
+                raise RuntimeError(f"refit received {len(tensors)} adapter tensors, expected {len(metadata)}")
+            if int(getattr(self, "rank", 0)) == 0:
+                write_adapter_folder(out_dir, layout, tensors, base_model)
+            return {"tensors": len(tensors), "checksum": checksum()}
+        except BaseException:
+            self.nrl_teardown_collective()
             raise
 
     def _nrl_abort_reload(self) -> None:

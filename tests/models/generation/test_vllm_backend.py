@@ -166,12 +166,35 @@ def test_refit_through_vllm(gen, local, batch):
     gen.teardown_collective()
 
 
-def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
+def _refit(gen, named, new_version: int, *, adapter=None, stop_after: int | None = None, timeout_s: float = 60.0):
+    """This process as the producer (rank 0): prepare, join, stream ``named`` (the first
+    ``stop_after`` tensors only, to break a refit) over a real gloo group; the workers' stats."""
     import ray
 
     from nrl_tasks.utils.collective import create_broadcast_group, find_free_port
     from nrl_tasks.utils.packed_tensor import packed_broadcast_producer
-    from nrl_tasks.utils.refit import RefitInfo, weights_checksum
+    from nrl_tasks.utils.refit import RefitInfo
+
+    gen.prepare_refit_info(RefitInfo.build(named, BUFFER, new_version, adapter).to_dict())
+    port = find_free_port()
+    world = 1 + gen.refit_world_size
+    refs = gen.init_collective("127.0.0.1", port, world, rank_offset=1, timeout_s=timeout_s)
+    group = create_broadcast_group("127.0.0.1", port, 0, world, timeout_s=timeout_s)
+    ray.get(refs, timeout=120)
+    refs = gen.update_weights_from_collective(new_version)
+    try:
+        sent = named if stop_after is None else named[:stop_after]
+        packed_broadcast_producer(iter(sent), group, 0, lambda item: item[1], buffer_size_bytes=BUFFER)
+    except Exception:
+        ray.get(refs, timeout=120)  # the consumer's own error explains a broken producer
+        raise
+    finally:
+        group.close()
+    return ray.get(refs, timeout=120)
+
+
+def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
+    from nrl_tasks.utils.refit import weights_checksum
 
     model, tok = local
     version = gen.weights_version
@@ -179,32 +202,14 @@ def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
     g = torch.Generator().manual_seed(7)
     named = [(n, (t * 0.8 + 0.05 * torch.randn(t.shape, generator=g)).contiguous()) for n, t in hf_refit_named_tensors(model)]
 
-    def refit(new_version: int, stop_after: int | None, timeout_s: float):
-        gen.prepare_refit_info(RefitInfo.build(named, BUFFER, new_version).to_dict())
-        port = find_free_port()
-        world = 1 + gen.refit_world_size
-        refs = gen.init_collective("127.0.0.1", port, world, rank_offset=1, timeout_s=timeout_s)
-        group = create_broadcast_group("127.0.0.1", port, 0, world, timeout_s=timeout_s)
-        ray.get(refs, timeout=120)
-        refs = gen.update_weights_from_collective(new_version)
-        try:
-            sent = named if stop_after is None else named[:stop_after]
-            packed_broadcast_producer(iter(sent), group, 0, lambda item: item[1], buffer_size_bytes=BUFFER)
-        except Exception:
-            ray.get(refs, timeout=120)  # the consumer's own error explains a broken producer
-            raise
-        finally:
-            group.close()
-        return ray.get(refs, timeout=120)
-
     with pytest.raises(Exception, match=r"(?i)collective|broadcast|closed|timed? ?out"):  # noqa: B017 - vLLM re-raises as Exception
-        refit(version + 1, len(named) // 2, 5.0)
+        _refit(gen, named, version + 1, stop_after=len(named) // 2, timeout_s=5.0)
     assert gen.weights_version is None
     with pytest.raises(StaleWeightsError):
         gen.generate(batch, greedy=True)
 
     gen.teardown_collective()
-    refit(version + 1, None, 60.0)
+    _refit(gen, named, version + 1)
     assert gen.weights_version == version + 1
     assert gen.weights_checksum() == weights_checksum(named)
     copy_into(model, named)
@@ -213,13 +218,90 @@ def test_failed_refit_stays_stale_and_retry_recovers(gen, local, batch):
     assert torch.equal(out["output_ids"], ref["output_ids"])
 
 
+ADAPTED = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+
+
+def _adapters(model, rank: int, seed: int, scale: float = 0.3) -> list[tuple[str, torch.Tensor]]:
+    """Random adapters for :data:`ADAPTED` in the policy's refit order and names (B non-zero)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name in ADAPTED:
+        w = model.get_submodule(name).weight
+        out.append((f"{name}.lora_A.weight", scale * torch.randn(rank, w.shape[1], generator=g)))
+        out.append((f"{name}.lora_B.weight", scale * torch.randn(w.shape[0], rank, generator=g)))
+    return out
+
+
+def _merged(model_dir: str, adapters, rank: int, alpha: float):
+    """The base model with ``W + alpha / r * B @ A`` in each adapted layer: what LoRA computes."""
+    model, _ = load_lm(model_dir)
+    tensors = dict(adapters)
+    with torch.no_grad():
+        for name in ADAPTED:
+            a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            model.get_submodule(name).weight.add_(alpha / rank * (b @ a))
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_gen(ray_session, model_dir):
+    from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
+
+    cfg = GenerationConfig(
+        backend="vllm", model_name=model_dir, max_new_tokens=12, temperature=TEMPERATURE, num_workers=1,
+        num_cpus_per_worker=1, refit_timeout_s=60,
+        # rank 4 is no vLLM rank: the worker rounds it up to 8
+        vllm_cfg={"max_model_len": 128, "kv_cache_space_gib": 1, "llm_kwargs": {"enable_lora": True, "max_lora_rank": 4, "max_loras": 1}},
+    )
+    tag = uuid.uuid4().hex[:8]
+    cluster = RayVirtualCluster([1], name=f"vllm-lora-{tag}", num_cpus_per_bundle=1)
+    group = VllmGeneration(cluster, cfg, namespace=f"nrl-vllm-lora-{tag}")
+    yield group
+    group.shutdown()
+    cluster.shutdown()
+
+
+def test_adapters_only_refit_through_vllm_lora(lora_gen, model_dir, batch):
+    """A LoRA policy's adapters-only refit (adapter tensors only, over the packed broadcast) is
+    applied by vLLM's LoRA support: greedy outputs equal the base model with the adapters merged,
+    the checksum is of the adapters sent, a second refit replaces the first (no stale adapter
+    cached), and an adapter above the engine's max_lora_rank is refused before any byte moves."""
+    from nrl_tasks.utils.refit import RefitInfo, RefitMismatchError, weights_checksum
+
+    base, tok = load_lm(model_dir)
+    before = lora_gen.generate(batch, greedy=True, weights_version=0)
+    ref = generate_batch(base, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
+    assert torch.equal(before["output_ids"], ref["output_ids"])
+
+    outputs = []
+    for version, seed in ((1, 11), (2, 12)):
+        adapters = _adapters(base, 8, seed)
+        layout = {"r": 8, "alpha": 16.0, "modules": ADAPTED}
+        stats = _refit(lora_gen, adapters, version, adapter=layout)
+        assert stats[0]["weights_version"] == version and stats[0]["tensors"] == 2 * len(ADAPTED)
+        assert lora_gen.weights_checksum() == weights_checksum(adapters)
+        out = lora_gen.generate(batch, greedy=True, weights_version=version)
+        merged = _merged(model_dir, adapters, 8, 16.0)
+        want = generate_batch(merged, tok, batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=True)
+        assert torch.equal(out["output_ids"], want["output_ids"])
+        torch.testing.assert_close(out["logprobs"], teacher_forced_logprobs(merged, out, 1.0), atol=2e-4, rtol=1e-4)
+        outputs.append(out["output_ids"])
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], before["output_ids"])
+
+    too_big = _adapters(base, 16, 13)
+    info = RefitInfo.build(too_big, BUFFER, 3, {"r": 16, "alpha": 16.0, "modules": ADAPTED})
+    with pytest.raises(RefitMismatchError, match="rank 16.*max_lora_rank 8"):
+        lora_gen.prepare_refit_info(info.to_dict())
+    assert lora_gen.weights_version == 2  # refused before the refit started
+
+
 def test_adapters_only_refit_is_refused_before_any_byte_moves(gen):
-    """A LoRA policy sends the vLLM backend merged weights (its refit mixin decides by backend); an
-    adapters-only refit info is refused by the vLLM worker at ``prepare_refit_info``, naming it."""
+    """A worker started without vLLM's LoRA support refuses an adapters-only refit info at
+    ``prepare_refit_info``, naming the keys that switch it on."""
     from nrl_tasks.utils.refit import RefitInfo, RefitMismatchError
 
     module = "model.layers.0.self_attn.q_proj"
     named = [(f"{module}.lora_A.weight", torch.zeros(8, 64)), (f"{module}.lora_B.weight", torch.zeros(64, 8))]
     info = RefitInfo.build(named, BUFFER, gen.weights_version + 1, adapter={"r": 8, "alpha": 32.0, "modules": [module]})
-    with pytest.raises(RefitMismatchError, match="full-weight refits only"):
+    with pytest.raises(RefitMismatchError, match="without LoRA support.*enable_lora"):
         gen.prepare_refit_info(info.to_dict())

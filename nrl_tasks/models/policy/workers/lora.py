@@ -8,27 +8,26 @@ The algorithm, when ``lora_cfg.enabled``:
    that require grad) holds only them. B starts at zero: the wrapped model equals the base.
 2. reference logprobs: the base model is the reference, so no copy of the initial weights is
    kept; the worker runs the forward inside ``model.disable_adapter()``.
-3. refit / generation weights: :func:`merged_named_tensors` gives the state dict of the *base
-   HF model*, with its original parameter names and order, where each adapted ``weight`` is a
-   new tensor ``W + alpha/dim * B @ A`` (peft's ``get_delta_weight``). The live base weights are
-   never touched: peft's ``merge_adapter``/``unmerge_adapter`` would do ``W += d; W -= d``, which
-   does not give back ``W`` bit for bit in float32, so a merged *copy* is computed instead (same
-   arithmetic as peft's merge, so the same bits as a merge). Existing generation backends receive
-   a plain HF state dict and need no LoRA support.
+3. merged weights (``save_merged`` checkpoints): :func:`merged_named_tensors` gives the state
+   dict of the *base HF model*, with its original parameter names and order, where each adapted
+   ``weight`` is a new tensor ``W + alpha/dim * B @ A`` (peft's ``get_delta_weight``). The live
+   base weights are never touched: peft's ``merge_adapter``/``unmerge_adapter`` would do
+   ``W += d; W -= d``, which does not give back ``W`` bit for bit in float32, so a merged *copy*
+   is computed instead (same arithmetic as peft's merge, so the same bits as a merge).
 4. checkpoints: ``weights/`` holds the adapter in peft's format (``adapter_config.json`` +
    ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, path)``);
    with ``save_merged`` a sibling ``<weights>_merged/`` holds the merged HF safetensors.
    A restore copies the adapter tensors into the live peft model (bit-exact).
 
-5. adapters-only refit (the HF generation backend): the generation workers load the base weights
+5. adapters-only refit (every generation backend): the generation workers load the base weights
    once and receive only :func:`adapter_named_tensors` (``<module>.lora_A.weight`` and
    ``<module>.lora_B.weight`` of each adapted module, in module order) with their layout
-   :func:`adapter_layout` (rank, alpha, modules). On the first such refit a worker puts the
-   same LoRA layers into its plain HF model with ``peft.inject_adapter_in_model``
+   :func:`adapter_layout` (rank, alpha, modules). On the first such refit an HF generation worker
+   puts the same LoRA layers into its plain HF model with ``peft.inject_adapter_in_model``
    (:func:`inject_adapters`) and then only copies adapter tensors. It runs the adapters unmerged,
    so its forward is the policy's own arithmetic (``W x + scale * B A x``): greedy outputs equal
-   the policy's ``generate`` bit for bit in float32. The vLLM backend still receives the merged
-   weights of step 3 (see :mod:`nrl_tasks.models.policy.workers.refit_mixin`).
+   the policy's ``generate`` bit for bit in float32. A vLLM worker hands the adapters to vLLM's
+   own LoRA support (:mod:`nrl_tasks.models.generation.vllm_lora`).
 """
 
 from __future__ import annotations

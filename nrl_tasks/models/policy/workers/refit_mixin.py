@@ -6,15 +6,13 @@ tensors cast to the refit dtype (the generation precision, else the policy preci
 buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group);
 the other ranks hold identical weights and do nothing.
 
-With LoRA (``dtensor_cfg.lora_cfg.enabled``) and the HF generation backend (or none), a refit
-sends only the adapters: :func:`~nrl_tasks.models.policy.workers.lora.adapter_named_tensors`, with
-the adapter layout in ``RefitInfo.adapter`` (the generation workers hold the base weights from
-their model folder and apply the adapters unmerged). With the vLLM backend the source is
-:func:`~nrl_tasks.models.policy.workers.lora.merged_named_tensors` instead: the base model's state
-dict under the HF names with ``W + scale * B @ A`` in place of each adapted weight (copies; the
-live weights are untouched), because the vLLM worker loads plain HF weights only. Either way
-``weights_checksum()`` is of what a refit sends, so the adapters-only checksum covers the adapters
-(the base is the run's frozen model folder).
+With LoRA (``dtensor_cfg.lora_cfg.enabled``) a refit sends only the adapters:
+:func:`~nrl_tasks.models.policy.workers.lora.adapter_named_tensors`, with the adapter layout in
+``RefitInfo.adapter``. The generation workers hold the base weights from their model folder and
+apply the adapters: the HF backend unmerged in its own model, the vLLM backend through vLLM's LoRA
+support (:mod:`nrl_tasks.models.generation.vllm_lora`). ``weights_checksum()`` is of what a refit
+sends, so the adapters-only checksum covers the adapters (the base is the run's frozen model
+folder).
 """
 
 from __future__ import annotations
@@ -56,19 +54,15 @@ class RefitMixin:
         return tensor
 
     def _adapters_only(self) -> bool:
-        """LoRA refits send only the adapters unless the generation backend is vLLM."""
-        gen = self.cfg.generation
-        return self.cfg.lora is not None and (gen is None or gen.backend == "hf")
+        """LoRA refits send only the adapters (every generation backend applies them)."""
+        return self.cfg.lora is not None
 
-    def _refit_source(self, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors a refit sends, before the cast (``merge=False``: same names and shapes,
-        without computing LoRA merges)."""
-        from nrl_tasks.models.policy.workers import lora
-
+    def _refit_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a refit sends, before the cast."""
         if self._adapters_only():
-            return lora.adapter_named_tensors(self.model.get_base_model())
-        if self.cfg.lora is not None:
-            return lora.merged_named_tensors(self.model, merge=merge)
+            from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
+
+            return adapter_named_tensors(self.model.get_base_model())
         return refit_named_tensors(self.model)
 
     def _refit_items(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,7 +80,7 @@ class RefitMixin:
         dtype = self._refit_dtype()
         shapes = (
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
-            for n, t in self._refit_source(merge=False)
+            for n, t in self._refit_source()
         )
         from nrl_tasks.models.policy.workers.lora import adapter_layout
 
