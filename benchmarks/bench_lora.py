@@ -21,6 +21,9 @@ for all three configs. Figures:
 - ``refit s``: a broadcast + ``update_weights_from_collective`` over a live group (best of
   repeats); ``set-up`` (printed per config): refit info + fingerprint check + group creation +
   the first broadcast;
+- ``generate s after refit``: sampling the same 8 x 4 batch on the refitted generation worker
+  (best of repeats after one warm-up): the cost of running LoRA adapters unmerged in the HF
+  backend, against the plain model of the full run;
 - ``peak RSS MB``: ``VmHWM`` of the policy actor's process (``/proc/<pid>/status``, the pid from
   ``worker_status``) after training and refits: model load, reference copy (full only), gradients,
   AdamW state, activations, refit buffers;
@@ -139,17 +142,39 @@ def resource_config(config: str, model: str | None, extra: list[str]) -> Any:
     return load_config(config, [*fixed, *([f"policy.model_name={model}"] if model else []), *extra])
 
 
-def sample_rollouts(cfg: Any, tokenizer: Any, gen: Any) -> Any:
-    """The step-1 prompts of the run (as the flow draws them), sampled by ``gen`` on weights version 0."""
+def step_prompts(cfg: Any, tokenizer: Any) -> Any:
+    """The step-1 prompt batch of the run, as the flow draws it."""
     from nrl_tasks.stages.data import load_prompt_records
-    from nrl_tasks.stages.generate import build_prompt_batch, generation_input, rollouts_from_generation
+    from nrl_tasks.stages.generate import build_prompt_batch
 
     records = load_prompt_records(cfg.data, "train", cfg.grpo.seed)
-    prompts = build_prompt_batch(records, step=1, num_prompts=NUM_PROMPTS, num_generations=NUM_GENERATIONS,
-                                 seed=cfg.grpo.seed, data_cfg=cfg.data, tokenizer=tokenizer,
-                                 max_prompt_tokens=cfg.max_prompt_tokens())
+    return build_prompt_batch(records, step=1, num_prompts=NUM_PROMPTS, num_generations=NUM_GENERATIONS,
+                              seed=cfg.grpo.seed, data_cfg=cfg.data, tokenizer=tokenizer,
+                              max_prompt_tokens=cfg.max_prompt_tokens())
+
+
+def sample_rollouts(cfg: Any, tokenizer: Any, gen: Any) -> Any:
+    """The step-1 prompts sampled by ``gen`` on weights version 0."""
+    from nrl_tasks.stages.generate import generation_input, rollouts_from_generation
+
+    prompts = step_prompts(cfg, tokenizer)
     out = gen.generate(generation_input(prompts), weights_version=0)
     return rollouts_from_generation(prompts, out, tokenizer)
+
+
+def time_generate(cfg: Any, tokenizer: Any, gen: Any, repeats: int) -> dict[str, float]:
+    """Wall seconds of sampling the step-1 batch on the refitted worker (full: the plain model; LoRA:
+    the base with the adapters applied unmerged), best of ``repeats`` after one warm-up."""
+    from nrl_tasks.stages.generate import generation_input
+
+    data = generation_input(step_prompts(cfg, tokenizer))
+    gen.generate(data)
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gen.generate(data)
+        walls.append(time.perf_counter() - t0)
+    return {"generate_s": min(walls)}
 
 
 def train_batch(cfg: Any, rollouts: Any, policy: Any, seed: int = 0) -> Any:
@@ -251,6 +276,7 @@ def measure_variant(name: str, cfg: Any, tokenizer: Any, rollouts: Any, repeats:
         out["rss_after_train_mb"] = peak_rss_mb(pid)["peak"]
         out.update(time_refit(policy, gen, repeats))
         out["peak_rss_mb"] = peak_rss_mb(pid)["peak"]
+        out.update(time_generate(cfg, tokenizer, gen, repeats))
         out["trainable_params"], out["total_params"] = trainable_params(pcfg.model_name, cfg)
         out["train_tokens"] = int(rollouts["input_lengths"].sum())
         return out
@@ -281,12 +307,13 @@ def print_resources(label: str, rows: dict[str, dict[str, Any]], goals: dict[str
     print(f"### resources: {label}; {NUM_PROMPTS} prompts x {NUM_GENERATIONS} samples, {NEW_TOKENS} new tokens "
           f"({full['train_tokens']} train tokens); train s and refit s: best of {repeats} after 1 warm-up / set-up")
     print("| config | trainable params | train s | speed-up vs full | refit MB | refit bytes % of full | refit s "
-          "| peak RSS MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak RSS MB | generate s after refit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['trainable_params']:,} ({100.0 * r['trainable_params'] / r['total_params']:.2f}%) "
               f"| {r['train_s']:.2f} | {full['train_s'] / r['train_s']:.2f}x | {r['refit_bytes'] / 1e6:.2f} "
-              f"| {100.0 * r['refit_bytes'] / full['refit_bytes']:.1f}% | {r['refit_s']:.3f} | {r['peak_rss_mb']:.0f} |")
+              f"| {100.0 * r['refit_bytes'] / full['refit_bytes']:.1f}% | {r['refit_s']:.3f} | {r['peak_rss_mb']:.0f} "
+              f"| {r['generate_s']:.2f} ({r['generate_s'] / full['generate_s']:.2f}x) |")
     for name, r in rows.items():
         print(f"{name}: train median {r['train_median_s']:.2f} s (worker-side best {r['train_worker_s']:.2f} s); refit "
               f"set-up + first broadcast {r['refit_setup_s']:.2f} s, broadcast median {r['refit_median_s']:.3f} s, "

@@ -48,20 +48,26 @@ def batch(local):
     return {"input_ids": ids, "input_lengths": lengths, "seeds": torch.arange(len(PROMPTS)) + 40}
 
 
-@pytest.fixture(scope="module")
-def gen(ray_session, model_dir):
+def _vllm_group(model_dir: str, name: str, **llm_kwargs):
+    """A one-worker vLLM generation group on its own cluster; shut down after the module."""
     from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 
     cfg = GenerationConfig(
         backend="vllm", model_name=model_dir, max_new_tokens=12, temperature=TEMPERATURE, num_workers=1,
-        num_cpus_per_worker=1, refit_timeout_s=60, vllm_cfg={"max_model_len": 128, "kv_cache_space_gib": 1},
+        num_cpus_per_worker=1, refit_timeout_s=60,
+        vllm_cfg={"max_model_len": 128, "kv_cache_space_gib": 1, "llm_kwargs": llm_kwargs},
     )
-    tag = uuid.uuid4().hex[:8]
-    cluster = RayVirtualCluster([1], name=f"vllm-{tag}", num_cpus_per_bundle=1)
-    group = VllmGeneration(cluster, cfg, namespace=f"nrl-vllm-{tag}")
+    tag = f"{name}-{uuid.uuid4().hex[:8]}"
+    cluster = RayVirtualCluster([1], name=tag, num_cpus_per_bundle=1)
+    group = VllmGeneration(cluster, cfg, namespace=f"nrl-{tag}")
     yield group
     group.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gen(ray_session, model_dir):
+    yield from _vllm_group(model_dir, "vllm")
 
 
 def _check_format(out, batch, pad_id):
@@ -245,20 +251,8 @@ def _merged(model_dir: str, adapters, rank: int, alpha: float):
 
 @pytest.fixture(scope="module")
 def lora_gen(ray_session, model_dir):
-    from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
-
-    cfg = GenerationConfig(
-        backend="vllm", model_name=model_dir, max_new_tokens=12, temperature=TEMPERATURE, num_workers=1,
-        num_cpus_per_worker=1, refit_timeout_s=60,
-        # rank 4 is no vLLM rank: the worker rounds it up to 8
-        vllm_cfg={"max_model_len": 128, "kv_cache_space_gib": 1, "llm_kwargs": {"enable_lora": True, "max_lora_rank": 4, "max_loras": 1}},
-    )
-    tag = uuid.uuid4().hex[:8]
-    cluster = RayVirtualCluster([1], name=f"vllm-lora-{tag}", num_cpus_per_bundle=1)
-    group = VllmGeneration(cluster, cfg, namespace=f"nrl-vllm-lora-{tag}")
-    yield group
-    group.shutdown()
-    cluster.shutdown()
+    # rank 4 is no vLLM rank: the worker rounds it up to 8
+    yield from _vllm_group(model_dir, "vllm-lora", enable_lora=True, max_lora_rank=4, max_loras=1)
 
 
 def test_adapters_only_refit_through_vllm_lora(lora_gen, model_dir, batch):
