@@ -149,6 +149,7 @@ def build_step_metrics(
     row["grad_norm"] = get("train", "grad_norm")
     row["is_weight_mean"] = get("train", "is_weight_mean")
     row["is_weight_max"] = get("train", "is_weight_max")
+    row["policy_state_mb_per_rank"] = get("train", "policy_state_mb_per_rank")
     row["groups_with_signal"] = get("advantages", "groups_with_signal")
     for key in DYNAMIC_SAMPLING_KEYS:  # grpo.use_dynamic_sampling only
         value = get("rollouts", key) if key.startswith("dynamic") else get("rewards", key)

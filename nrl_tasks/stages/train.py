@@ -183,6 +183,8 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, a
             # importance-sampling weights pi_prev / pi_gen of the step's tokens (async GRPO: one version apart)
             "is_weight_mean": metrics.get("sampling_importance_ratio"),
             "is_weight_max": metrics.get("sampling_importance_ratio_max"),
+            # parameters + gradients + optimizer state on policy rank 0 (sharded by FSDP2)
+            "policy_state_mb_per_rank": metrics.get("policy_state_mb_per_rank"),
         }, f"train of step {ctx.step}")
 
     inputs = {"rollouts": rollouts, "advantages": advantages, **({"logprobs": logprobs} if logprobs is not None else {})}

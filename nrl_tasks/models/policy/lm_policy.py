@@ -260,6 +260,14 @@ class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods
         return self.worker_group.world_size
 
     @property
+    def layout(self) -> Any:
+        """How the workers lay out the model (:class:`~nrl_tasks.models.policy.workers.parallel.Layout`):
+        plain, FSDP2-replicated or FSDP2-sharded."""
+        from nrl_tasks.models.policy.workers.parallel import layout_for
+
+        return layout_for(self.cfg.dtensor_cfg, self.data_parallel_size, reward_model=self.cfg.reward_model_cfg.enabled)
+
+    @property
     def weights_version(self) -> int:
         """Version of the live weights: 0 initially, +1 per non-eval ``train`` call."""
         return self._weights_version
@@ -472,6 +480,8 @@ class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods
             "num_microbatches": [r["num_microbatches"] for r in results],
             "weights_version": self._weights_version,
             "train_time_s": max(r["train_time_s"] for r in results),
+            # parameters + gradients + optimizer state held by rank 0 at the end of the call
+            "policy_state_mb_per_rank": float(first["state_mb"]),
         }
 
     # ------------------------------------------------------------------ shutdown

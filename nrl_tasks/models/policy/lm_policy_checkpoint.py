@@ -33,7 +33,9 @@ class PolicyCheckpointMethods:
     ) -> None:
         """Write an HF-loadable safetensors folder (``weights_path``), optimizer + scheduler +
         per-rank RNG states as safetensors + JSON (``optimizer_path``) and the tokenizer
-        (``tokenizer_path``, may equal ``weights_path``). Rank 0 writes them.
+        (``tokenizer_path``, may equal ``weights_path``). Rank 0 writes them; with FSDP2 every
+        rank first takes part in gathering the whole state onto rank 0's CPU, so the files are
+        the same whatever the number of ranks and load on any number of ranks.
 
         Each path is a local directory *on rank 0's node* (written to a temp dir and renamed;
         across nodes use a shared filesystem) or an ``s3://bucket/prefix`` URI: then rank 0
@@ -47,17 +49,16 @@ class PolicyCheckpointMethods:
         if not weights_path and not optimizer_path and not tokenizer_path:
             raise ValueError("save_checkpoint needs at least one of weights_path, optimizer_path, tokenizer_path")
         rng_states = self._all("get_rng_state") if optimizer_path else []
-        self._get(
-            self.worker_group.run_single_worker(
-                0,
-                "save_checkpoint",
-                os.fspath(weights_path) if weights_path else None,
-                os.fspath(optimizer_path) if optimizer_path else None,
-                os.fspath(tokenizer_path) if tokenizer_path else None,
-                rng_states,
-                storage_options=storage_options,
-            )
+        args = (
+            os.fspath(weights_path) if weights_path else None,
+            os.fspath(optimizer_path) if optimizer_path else None,
+            os.fspath(tokenizer_path) if tokenizer_path else None,
+            rng_states,
         )
+        if self.layout.wrapped:  # every rank takes part in gathering the whole state for rank 0
+            self._get(self.worker_group.run_all_workers_single_data("save_checkpoint", *args, storage_options=storage_options))
+        else:
+            self._get(self.worker_group.run_single_worker(0, "save_checkpoint", *args, storage_options=storage_options))
 
     def finalize_async_save(self) -> None:
         """No-op: ``save_checkpoint`` is synchronous (its dirs are complete when it returns)."""

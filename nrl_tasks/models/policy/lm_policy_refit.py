@@ -32,5 +32,6 @@ class PolicyRefitMethods:
         return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", kv_scales)
 
     def weights_checksum(self, as_sent: bool = True) -> str:
-        """Checksum of the refit tensors (``as_sent``: cast to the refit dtype) of rank 0."""
-        return self._get(self.worker_group.run_single_worker(0, "weights_checksum", as_sent))
+        """Checksum of the refit tensors (``as_sent``: cast to the refit dtype) of rank 0 (every
+        rank takes part when the weights are sharded)."""
+        return self._get(self.worker_group.run_all_workers_single_data("weights_checksum", as_sent))[0]

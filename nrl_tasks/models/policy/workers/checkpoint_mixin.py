@@ -28,6 +28,34 @@ class CheckpointMixin:
     def get_rng_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return capture_rng_state()
 
+    def _gather_full_state(
+        self, weights: bool, optimizer: bool
+    ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """With a wrapped (FSDP2) model: the whole model state dict and the whole optimizer state
+        dict (keyed by parameter name), gathered onto rank 0's CPU one tensor at a time with
+        ``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls it; the other
+        ranks get empty dicts). ``(None, None)`` for a plain model (written from the live one)."""
+        if not self.layout.wrapped:
+            return None, None
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(self.model, options=options) if weights else None
+        optim_sd = None
+        if optimizer and self.optimizer is not None:
+            never_stepped = not self.optimizer.state
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            if never_stepped:
+                # torch initialised the state with a zero-gradient step (step count 1): undo it,
+                # a fresh optimizer has none (else the next step's bias correction is off by one)
+                self.optimizer.state.clear()
+                optim_sd["state"] = {}
+        return model_sd, optim_sd
+
     def save_checkpoint(
         self,
         weights_path: str | None,
@@ -41,6 +69,7 @@ class CheckpointMixin:
         and tokenizer dirs; ``s3://`` paths are written to a temp dir on this node and uploaded
         from here."""
         self._require_valid_weights("save_checkpoint")  # never persist weights a failed step broke
+        full_state = self._gather_full_state(bool(weights_path), bool(optimizer_path))
         if self.rank != 0:
             return {}
         lora = self.cfg.lora
@@ -52,7 +81,7 @@ class CheckpointMixin:
                 self._write_merged_dir(m)
         paths = (weights_path, optimizer_path, tokenizer_path)
         with staged_uploads(paths, storage_options) as (w, o, t):
-            self._write_checkpoint_dirs(w, o, t, rng_states)
+            self._write_checkpoint_dirs(w, o, t, rng_states, full_state)
         return {k: v for k, v in zip(("weights_path", "optimizer_path", "tokenizer_path"), paths) if v}
 
     def _write_merged_dir(self, path: str) -> None:
@@ -72,11 +101,18 @@ class CheckpointMixin:
         optimizer_path: str | None,
         tokenizer_path: str | None,
         rng_states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+        full_state: tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None] = (None, None),
     ) -> None:
-        """Write the local checkpoint dirs (each atomically: temp dir + rename)."""
+        """Write the local checkpoint dirs (each atomically: temp dir + rename); ``full_state``:
+        the gathered model and optimizer state dicts of a wrapped model (see
+        :meth:`_gather_full_state`)."""
+        model_sd, optim_sd = full_state
         if weights_path:
             def write_weights(tmp: str) -> None:
-                self.model.save_pretrained(tmp)
+                if model_sd is None:
+                    self.model.save_pretrained(tmp)
+                else:
+                    self.model.save_pretrained(tmp, state_dict=model_sd)
                 if tokenizer_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path):
                     self.tokenizer.save_pretrained(tmp)
 
@@ -86,8 +122,12 @@ class CheckpointMixin:
                 raise ValueError("optimizer_path given but this policy has no optimizer (init_optimizer=False)")
 
             def write_optimizer(tmp: str) -> None:
-                meta = {"weights_version": self.weights_version, "data_parallel_size": self.world_size}
-                ckpt.optimizer_state_to_files(self.optimizer, self.param_names, self.scheduler, tmp, meta)
+                meta = {"weights_version": self.weights_version, "data_parallel_size": self.world_size,
+                        "parallel": self.layout.mode}
+                ckpt.optimizer_state_to_files(
+                    self.optimizer, self.param_names, self.scheduler, tmp, meta,
+                    state_dict=ckpt.by_index(optim_sd, self.param_names),
+                )
                 for rank, (tensors, json_state) in enumerate(rng_states):
                     ckpt.write_rng_files(tmp, rank, tensors, json_state)
 
@@ -128,9 +168,30 @@ class CheckpointMixin:
                 "takes the RNG state of rank %d", path, saved_dp, self.world_size, self.rank, source_rank,
             )
         rng = ckpt.load_rng_files(path, source_rank)  # fail before touching the optimizer
-        ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path)
+        ckpt.load_optimizer_state(self.optimizer, self.param_names, self.scheduler, path, apply=self._optimizer_loader())
         restore_rng_state(*rng)
         self.weights_version = int(document.get("weights_version", self.weights_version))
+
+    def _optimizer_loader(self) -> Any:
+        """How a whole (index-keyed) optimizer state dict goes into the live optimizer: as it is
+        for a plain model; for a wrapped one each rank keeps its shards of every tensor
+        (``set_optimizer_state_dict`` with a full state dict), so any number of ranks loads it."""
+        if not self.layout.wrapped:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        def apply(state_dict: dict[str, Any]) -> None:
+            by_name = ckpt.by_name(state_dict, self.param_names)
+            set_optimizer_state_dict(
+                self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True)
+            )
+            # torch initialises every parameter's state (a zero-gradient step) before loading:
+            # a parameter the checkpoint has no state for (never stepped) must have none
+            for name, param in zip(self.param_names, self.params):
+                if name not in by_name["state"]:
+                    self.optimizer.state.pop(param, None)
+
+        return apply
 
     def set_weights_version(self, version: int) -> int:
         self.weights_version = int(version)

@@ -26,8 +26,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from nrl_tasks.models.policy.workers.parallel import local_tensor, shard_like
+
 __all__ = [
     "FORMAT",
+    "by_index",
+    "by_name",
     "load_hf_weights_into",
     "load_optimizer_state",
     "load_rng_files",
@@ -115,7 +119,7 @@ def load_hf_weights_into(model: torch.nn.Module, path: str) -> int:
             raise ValueError(
                 f"tensor {name!r} in {path!r} has shape {list(source.shape)}, the model expects {list(tensor.shape)}"
             )
-        tensor.data.copy_(source.to(dtype=tensor.dtype))
+        local_tensor(tensor).copy_(shard_like(source.to(dtype=tensor.dtype), tensor))
         done.add(id(tensor))
         copied += 1
     return copied
@@ -134,18 +138,45 @@ def _json_safe(value: Any, where: str) -> Any:
     raise TypeError(f"{where}: cannot store a {type(value).__name__} in JSON")
 
 
+def by_index(state_dict: dict[str, Any] | None, param_names: list[str]) -> dict[str, Any] | None:
+    """An optimizer state dict keyed by parameter name (``torch.distributed.checkpoint``'s form)
+    keyed by index into ``param_names`` instead (``torch.optim``'s form); None stays None."""
+    if state_dict is None:
+        return None
+    index = {name: i for i, name in enumerate(param_names)}
+    try:
+        return {
+            "state": {index[name]: value for name, value in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state_dict["param_groups"]],
+        }
+    except KeyError as exc:
+        raise ValueError(f"optimizer state names parameter {exc.args[0]!r}, which the model does not train") from None
+
+
+def by_name(state_dict: dict[str, Any], param_names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`by_index`."""
+    return {
+        "state": {param_names[int(i)]: value for i, value in state_dict["state"].items()},
+        "param_groups": [{**g, "params": [param_names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]],
+    }
+
+
 def optimizer_state_to_files(
     optimizer: torch.optim.Optimizer,
     param_names: list[str],
     scheduler: Any,
     out_dir: str,
     meta: dict[str, Any],
+    *,
+    state_dict: dict[str, Any] | None = None,
 ) -> None:
     """Write the optimizer (and scheduler) state as ``optimizer.safetensors`` + ``optimizer.json``.
 
     ``param_names[i]`` names the optimizer's i-th parameter (flattened over param groups).
+    ``state_dict``: the whole state in ``torch.optim``'s form when the live optimizer holds
+    shards (gathered by the caller); ``optimizer.state_dict()`` otherwise.
     """
-    sd = optimizer.state_dict()
+    sd = optimizer.state_dict() if state_dict is None else state_dict
     tensors: dict[str, torch.Tensor] = {}
     other_state: dict[str, dict[str, Any]] = {}
     for index, entry in sd["state"].items():
@@ -185,10 +216,17 @@ def read_optimizer_json(path: str) -> dict[str, Any]:
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, param_names: list[str], scheduler: Any, path: str
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: Any,
+    path: str,
+    *,
+    apply: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Restore optimizer and scheduler state written by :func:`optimizer_state_to_files`.
 
+    ``apply(state_dict)`` puts the whole state (``torch.optim``'s form) into the optimizer
+    (default ``optimizer.load_state_dict``; a sharded optimizer keeps its slices).
     Raises ``ValueError`` naming the file and parameter when the checkpoint does not fit.
     Returns the JSON document (for ``weights_version`` and other metadata).
     """
@@ -225,7 +263,7 @@ def load_optimizer_state(
     live_groups = optimizer.state_dict()["param_groups"]
     if len(groups) != len(live_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, live_groups)):
         raise ValueError(f"{path}: param groups do not match the live optimizer's")
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    (apply or optimizer.load_state_dict)({"state": state, "param_groups": groups})
     if scheduler is not None and document.get("scheduler") is not None:
         sched = dict(document["scheduler"])
         scheduler.load_state_dict(sched)

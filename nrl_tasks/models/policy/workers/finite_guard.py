@@ -130,11 +130,13 @@ class StepGuard:
             ) from exc
 
     def check_parameters(self, names: list[str], params: list[torch.nn.Parameter], *, loss: torch.Tensor,
-                         grad_norm: float, lr: float) -> None:
+                         grad_norm: float, lr: float, finite: bool | None = None) -> None:
         """After the step: every parameter must be finite (``weights_valid=False`` if not);
-        ``loss`` (the all-reduced loss sum), ``grad_norm`` and ``lr`` of the step go into the error."""
-        if not all_finite(params):
-            bad = first_nonfinite(list(zip(names, params)))
+        ``loss`` (the all-reduced loss sum), ``grad_norm`` and ``lr`` of the step go into the error.
+        ``finite``: the decision, when the caller took it over all ranks (sharded parameters);
+        the error then names a parameter only if this rank's part of it is not finite."""
+        if not (all_finite(params) if finite is None else finite):
+            bad = first_nonfinite(list(zip(names, params))) or "(held by another rank)"
             raise NonFiniteTrainingError(
                 f"parameter {bad} is not finite after the optimizer step of global batch {self.global_batch} of the "
                 f"train call for weights version {self.weights_version} (rank {self.rank}; loss {float(loss)}, "

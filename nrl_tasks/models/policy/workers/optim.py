@@ -1,9 +1,8 @@
-"""Optimizer, LR schedule and data-parallel gradient reduction for policy workers.
+"""Optimizer, LR schedule, gradient clipping and finite checks for policy workers.
 
-Gradients are reduced with one explicit ``all_reduce(SUM)`` of a flat buffer after the
-micro-batch loop (no DDP hooks): losses are already normalised by the *global* number of valid
-tokens or sequences, so the sum over ranks is the gradient of the global loss. The reduction
-order is fixed for a given world size, so results are deterministic.
+Gradients are reduced across data-parallel ranks by torch's FSDP2
+(:mod:`~nrl_tasks.models.policy.workers.parallel`); with sharding they and the parameters are
+``DTensor``s, whose norm is a collective (every rank calls :func:`clip_and_norm`).
 """
 
 from __future__ import annotations
@@ -12,10 +11,11 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from nrl_tasks.models.policy.workers.parallel import full_tensor, local_tensor
 
 __all__ = [
-    "all_finite", "allreduce_gradients", "build_optimizer", "build_scheduler", "clip_and_norm", "first_nonfinite",
+    "all_finite", "build_optimizer", "build_scheduler", "clip_and_norm", "first_nonfinite",
     "trainable_named_parameters",
 ]
 
@@ -59,28 +59,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.l
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda step: factor(step))
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], world_size: int, group: Any = None) -> None:
-    """Sum every parameter's gradient over the data-parallel group (missing grads count as 0)."""
-    if world_size <= 1 or not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, g in enumerate(grads):
-        by_dtype.setdefault(g.dtype, []).append(i)
-    for indices in by_dtype.values():
-        flat = torch.cat([grads[i].reshape(-1) for i in indices])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for i in indices:
-            n = grads[i].numel()
-            view = flat[offset : offset + n].view_as(grads[i])
-            if params[i].grad is None:
-                params[i].grad = view.clone()
-            else:
-                params[i].grad.copy_(view)
-            offset += n
-
-
 def clip_and_norm(params: list[torch.nn.Parameter], max_grad_norm: float | None) -> float:
     """Total L2 norm of the gradients before clipping; clips to ``max_grad_norm`` if set.
 
@@ -92,6 +70,7 @@ def clip_and_norm(params: list[torch.nn.Parameter], max_grad_norm: float | None)
     if not with_grad:
         return 0.0
     norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], 2.0)
+    norm = full_tensor(norm)  # a DTensor of partial sums with sharded gradients
     value = float(norm)
     if max_grad_norm is not None and math.isfinite(value):
         torch.nn.utils.clip_grads_with_norm_(with_grad, float(max_grad_norm), norm)
@@ -101,7 +80,7 @@ def clip_and_norm(params: list[torch.nn.Parameter], max_grad_norm: float | None)
 def first_nonfinite(named: list[tuple[str, torch.Tensor | None]]) -> str | None:
     """Name of the first tensor of ``named`` holding a NaN or inf (None entries skipped), or None."""
     for name, t in named:
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is not None and not bool(torch.isfinite(local_tensor(t)).all()):
             return name
     return None
 
@@ -110,4 +89,4 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite (one device sync)."""
     if not tensors:
         return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+    return bool(torch.stack([torch.isfinite(local_tensor(t)).all() for t in tensors]).all())

@@ -3,7 +3,10 @@
 What travels: :func:`refit_named_tensors` of the model, i.e. ``model.state_dict()`` in order,
 each tensor once (a tied ``lm_head.weight`` that aliases the embedding is skipped), floating-point
 tensors cast to the refit dtype (the generation precision, else the policy precision); integer
-buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group);
+buffers travel as they are. Only data-parallel rank 0 sends (it is rank 0 of the refit group).
+With sharded FSDP2 parameters each tensor is gathered whole just before it is packed
+(``DTensor.full_tensor()``, a collective in which every policy rank takes part in the same order),
+so no rank ever holds more than one bucket plus one gathered tensor beyond its shard; otherwise
 the other ranks hold identical weights and do nothing.
 
 With LoRA (``dtensor_cfg.lora_cfg.enabled``) a refit sends only the adapters:
@@ -57,13 +60,24 @@ class RefitMixin:
         """LoRA refits send only the adapters (every generation backend applies them)."""
         return self.cfg.lora is not None
 
-    def _refit_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors a refit sends, before the cast."""
+    def _refit_parts(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a refit sends as this rank holds them (``DTensor``s when sharded; their
+        ``shape`` is the whole tensor's)."""
         if self._adapters_only():
             from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
 
             return adapter_named_tensors(self.model.get_base_model())
         return refit_named_tensors(self.model)
+
+    def _refit_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a refit sends, before the cast, each whole (gathered one at a time)."""
+        from nrl_tasks.models.policy.workers.parallel import full_tensor
+
+        return ((name, full_tensor(tensor)) for name, tensor in self._refit_parts())
+
+    def _gathers_with_all_ranks(self) -> bool:
+        """Whether whole tensors are gathered by a collective of all policy ranks (sharded)."""
+        return self.layout.sharded
 
     def _refit_items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._refit_source():
@@ -80,7 +94,7 @@ class RefitMixin:
         dtype = self._refit_dtype()
         shapes = (
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
-            for n, t in self._refit_source()
+            for n, t in self._refit_parts()
         )
         from nrl_tasks.models.policy.workers.lora import adapter_layout
 
@@ -113,6 +127,10 @@ class RefitMixin:
         if kv_scales is not None:
             raise ValueError("kv_scales (FP8 KV-cache scales) are not supported")
         if self.rank != 0:
+            if self._gathers_with_all_ranks():
+                with torch.no_grad():
+                    for _ in self._refit_source():  # take part in rank 0's gathers, in its order
+                        pass
             return False
         if self._refit_group is None:
             raise RuntimeError("broadcast_weights_for_collective before init_collective")
@@ -135,7 +153,14 @@ class RefitMixin:
         self._require_valid_weights("weights_checksum")
         from nrl_tasks.utils.refit import weights_checksum
 
-        items = self._refit_items() if as_sent else refit_named_tensors(self.model)
+        from nrl_tasks.models.policy.workers.parallel import full_tensor
+
+        if self.rank != 0 and not self._gathers_with_all_ranks():
+            return ""  # rank 0's answer is the policy's
+        if as_sent:
+            items = self._refit_items()
+        else:
+            items = ((n, full_tensor(t)) for n, t in refit_named_tensors(self.model))
         return weights_checksum(items)
 
     def close_refit_group(self) -> None:

@@ -7,7 +7,10 @@ model: the optimizer holds only the adapters, the reference is the base model wi
 adapters disabled (no copy kept), refits and ``weights_checksum`` see the merged weights under
 the HF names and checkpoints hold the adapter (:mod:`~nrl_tasks.models.policy.workers.lora`).
 Ranks form a default ``torch.distributed`` process group (gloo on
-CPU, NCCL on GPU) used for the gradient all-reduce and global token counts.
+CPU, NCCL on GPU) and a ``DeviceMesh`` over it: with more than one rank the model is wrapped with
+torch's FSDP2, sharded (``dtensor_cfg.enabled``, the default) or replicated
+(:mod:`~nrl_tasks.models.policy.workers.parallel`), and FSDP2 reduces the gradients. Calls that
+gather sharded tensors (refit, checksum, checkpoint, gradients) run on every rank.
 
 Ray is not needed to import or use the class: without Ray it runs in-process as a single rank
 (``benchmarks.gpu_check`` does so on a GPU image without Ray).
@@ -45,7 +48,7 @@ from nrl_tasks.models.policy.workers.logprobs import (
     padded_forward_logprobs,
 )
 from nrl_tasks.models.policy.workers.optim import (
-    allreduce_gradients,
+    all_finite,
     build_optimizer,
     build_scheduler,
     clip_and_norm,
@@ -54,6 +57,15 @@ from nrl_tasks.models.policy.workers.optim import (
 from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
 from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_invalid_weights
 from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
+from nrl_tasks.models.policy.workers.parallel import (
+    Layout,
+    full_tensor,
+    layout_for,
+    local_tensor,
+    lockstep_count,
+    parallelize,
+    state_bytes,
+)
 from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
 from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
 
@@ -98,6 +110,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._offloaded = False
         self._busy: str | None = None
         self._invalid_weights: NonFiniteTrainingError | None = None  # set when a step broke the weights
+        self.layout = Layout(False, False, self.world_size)
         configure_determinism(self.cfg.deterministic, self.cfg.torch_num_threads)
         self.device = self._pick_device()
 
@@ -128,6 +141,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             "config": self.cfg.model_dump(mode="json"),
             "weights_version": self.weights_version,
             "weights_valid": self._invalid_weights is None,
+            "parallel": self.layout.mode,
             "pid": os.getpid(),
         }
 
@@ -149,6 +163,8 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         )
         seed_everything(self.cfg.seed)
         self._load_model()
+        self.layout = layout_for(self.cfg.dtensor_cfg, self.world_size, reward_model=self.cfg.reward_model_cfg.enabled)
+        self.model = parallelize(self.model, self.cfg.dtensor_cfg, self.layout, self.device)
         named = trainable_named_parameters(self.model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -156,7 +172,8 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             self.optimizer = build_optimizer(named, self.cfg.optimizer)
             self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
         if self.init_reference_model and not self.cfg.reward_model_cfg.enabled and self.cfg.lora is None:
-            self.reference = {n: t.detach().to("cpu", copy=True) for n, t in self._swappable().items()}
+            # this rank's part of the initial weights (all of them unless sharded)
+            self.reference = {n: local_tensor(t).detach().to("cpu", copy=True) for n, t in self._swappable().items()}
         if self.weights_path:
             self._load_weights(self.weights_path)
         if self.optimizer_path:
@@ -250,17 +267,33 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         self._to_device()  # back from an offload, if any
         check_inputs(data)
         width = data["input_ids"].shape[1]
-        if data.size == 0:
-            return BatchedDataDict({"logprobs": torch.zeros(0, width, dtype=torch.float32)})
         self.model.eval()
-        mbs, packed = self._microbatches(data, micro_batch_size or self.cfg.effective_logprob_batch_size)
+        mbs, packed = [], False
+        if data.size:
+            mbs, packed = self._microbatches(data, micro_batch_size or self.cfg.effective_logprob_batch_size)
         rows = []
         for mb in mbs:
             lp = self._mb_logprobs(mb, packed).cpu()
             if lp.shape[1] < width:
                 lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
             rows.append(lp)
+        self._dummy_forwards(len(mbs), backward=False)
+        if not rows:
+            return BatchedDataDict({"logprobs": torch.zeros(0, width, dtype=torch.float32)})
         return BatchedDataDict({"logprobs": torch.cat(rows)})
+
+    def _dummy_forwards(self, done: int, *, backward: bool) -> int:
+        """Run zero-weighted forwards (and backwards) until this rank has run as many as the rank
+        with the most (a wrapped model's forward is a collective). Returns how many ran."""
+        extra = lockstep_count(done, self.layout, self._comm_device()) - done
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        lengths = torch.tensor([2], device=self.device)
+        for _ in range(extra):
+            with torch.set_grad_enabled(backward), self._autocast():
+                lp = padded_forward_logprobs(self.model, ids, lengths, self.cfg.temperature)
+            if backward:
+                (lp.sum() * 0.0).backward()
+        return extra
 
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
@@ -281,6 +314,18 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
                 yield
             return
         live = self._swappable()
+        if self.layout.wrapped:
+            # FSDP2 gathers layers from its own shard storage: copy the reference values in and back
+            with torch.no_grad():
+                saved = {n: local_tensor(t).detach().clone() for n, t in live.items()}
+                try:
+                    for n, t in live.items():
+                        local_tensor(t).copy_(self.reference[n])
+                    yield
+                finally:
+                    for n, t in live.items():
+                        local_tensor(t).copy_(saved[n])
+            return
         saved = {n: t.data for n, t in live.items()}
         try:
             for n, t in live.items():
@@ -305,6 +350,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         indices = torch.zeros(batch, width, k, dtype=torch.long)
         self.model.eval()
         mbs = micro_batch_size or self.cfg.effective_logprob_batch_size
+        self._dummy_forwards(len(range(0, batch, mbs)), backward=False)  # ahead of this rank's own: same count
         for start in range(0, batch, mbs):
             mb = data.slice(start, min(batch, start + mbs))
             ids = mb["input_ids"].to(self.device)
@@ -391,6 +437,7 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             self.weights_version += 1
         results["weights_version"] = self.weights_version
         results["train_time_s"] = time.perf_counter() - start
+        results["state_mb"] = self.state_mb()  # before finish_training frees the gradients
         return results
 
     def _comm_device(self) -> torch.device:
@@ -422,13 +469,18 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
                 if not eval_mode:
                     loss.backward()
             mb_loss = loss.detach().double().cpu()
+            if bad_mb is not None:
+                continue  # a wrapped model's backward is a collective: run on, the step is refused
             if not eval_mode and not bool(torch.isfinite(mb_loss)):
-                # its gradients are dropped with the step; no collective inside this loop
+                # its gradients are dropped with the step
                 bad_mb, total = mb_index, mb_loss
-                break
+                if not self.layout.wrapped:
+                    break  # no collective inside this loop
+                continue
             total += mb_loss
             for key, value in (metrics or {}).items():
                 results["all_mb_metrics"].setdefault(key, []).append(to_float(value))
+        self._dummy_forwards(len(micro_batches), backward=not eval_mode)
         # the loss and "some rank saw a non-finite loss" in one all-reduce: every rank decides alike
         loss_and_flag = torch.stack([total, torch.tensor(float(bad_mb is not None), dtype=torch.float64)])
         loss_and_flag = loss_and_flag.to(self._comm_device())
@@ -438,12 +490,13 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         if not eval_mode:
             guard = StepGuard(weights_version=self.weights_version + 1, global_batch=index, rank=self.rank)
             guard.check_loss(float(loss_and_flag[1]), loss_sum, total, bad_mb)
-            allreduce_gradients(self.params, self.world_size)
-            grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)
+            grad_norm = clip_and_norm(self.params, self.cfg.max_grad_norm)  # FSDP2 reduced the gradients
             guard.check_grad_norm(grad_norm, self.param_names, self.params)
             lrs = guard.check_lr(self.optimizer)
             guard.step(self.optimizer, lrs[0])
-            guard.check_parameters(self.param_names, self.params, loss=loss_sum, grad_norm=grad_norm, lr=lrs[0])
+            finite = self._on_every_rank(all_finite([local_tensor(p) for p in self.params]))
+            guard.check_parameters(self.param_names, self.params, loss=loss_sum, grad_norm=grad_norm, lr=lrs[0],
+                                   finite=finite)
             self.scheduler.step()
         results["global_loss"].append(float(loss_sum))
         results["grad_norm"].append(grad_norm)
@@ -452,11 +505,27 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         results["global_valid_seqs"].append(float(counts[1]))
         results["num_microbatches"].append(len(micro_batches))
 
+    def _on_every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce when the ranks hold different shards)."""
+        if not self.layout.sharded:
+            return flag
+        t = torch.tensor([0 if flag else 1], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return int(t) == 0
+
+    def state_mb(self) -> float:
+        """Parameters + gradients + optimizer state this rank holds, in MB (1e6 bytes)."""
+        return state_bytes(self.model.parameters(), self.optimizer) / 1e6
+
     def get_gradients(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the gradients of the last global batch trained (after the DP
-        all-reduce and clipping); empty after ``finish_training``. For checks and debugging."""
+        """CPU copies of the whole gradients of the last global batch trained (after the DP
+        reduction and clipping); empty after ``finish_training``. For checks and debugging; with
+        sharding a collective (call it on every rank)."""
         self._require_ready()
-        return {n: p.grad.detach().to("cpu", copy=True) for n, p in zip(self.param_names, self.params) if p.grad is not None}
+        return {
+            n: full_tensor(p.grad.detach()).to("cpu", copy=True)
+            for n, p in zip(self.param_names, self.params) if p.grad is not None
+        }
 
     # ----------------------------------------------------------------- generate / score
     @torch.no_grad()
