@@ -160,8 +160,15 @@ class LoRAConfig(_Strict):
 
 
 class DTensorConfig(_Strict):
-    """NeMo-RL's ``dtensor_cfg``. Here: plain data parallelism (explicit gradient all-reduce);
-    tensor/context parallelism and CPU offload of parameters are not supported (must stay 1/off).
+    """NeMo-RL's ``dtensor_cfg``: how torch's FSDP2 lays the policy over its data-parallel ranks
+    (:mod:`~nrl_tasks.models.policy.workers.parallel`).
+
+    ``enabled`` (default true, as in NeMo-RL): parameters, gradients and AdamW state sharded
+    across the ranks; false: every rank a full copy (FSDP2 with shards of one rank). One rank is a
+    plain module either way. ``cpu_offload``: sharded state kept in CPU memory between uses
+    (FSDP2's ``CPUOffloadPolicy``). ``activation_checkpointing``: decoder-layer activations
+    recomputed in the backward. Not built, refused here: ``tensor_parallel_size`` and
+    ``context_parallel_size`` above 1, ``sequence_parallel`` and ``custom_parallel_plan``.
     ``lora_cfg``: see :class:`LoRAConfig` (off by default)."""
 
     enabled: bool = True
@@ -177,12 +184,12 @@ class DTensorConfig(_Strict):
     def _check(self) -> "DTensorConfig":
         if self.tensor_parallel_size != 1 or self.context_parallel_size != 1:
             raise ValueError(
-                "dtensor_cfg.tensor_parallel_size and context_parallel_size must be 1 (only data "
-                f"parallelism is supported), got {self.tensor_parallel_size} and {self.context_parallel_size}"
+                "dtensor_cfg.tensor_parallel_size and context_parallel_size must be 1: only (sharded) data "
+                f"parallelism is built, got {self.tensor_parallel_size} and {self.context_parallel_size}"
             )
-        if self.sequence_parallel or self.cpu_offload or self.custom_parallel_plan:
+        if self.sequence_parallel or self.custom_parallel_plan:
             raise ValueError(
-                "dtensor_cfg.sequence_parallel, cpu_offload and custom_parallel_plan are not supported"
+                "dtensor_cfg.sequence_parallel and custom_parallel_plan are not supported (they need tensor parallelism)"
             )
         return self
 

@@ -33,7 +33,8 @@ micro-batches runs zero-weighted dummy ones) and never leaves a micro-batch loop
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 __all__ = [
     "Layout",
     "full_tensor",
+    "gathered_weights",
     "layout_for",
     "local_tensor",
     "lockstep_count",
@@ -117,6 +119,27 @@ def parallelize(model: torch.nn.Module, dtensor_cfg: Any, layout: Layout, device
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@contextlib.contextmanager
+def gathered_weights(model: torch.nn.Module, layout: Layout) -> Iterator[None]:
+    """Hold the whole weights on this rank for a while (sampling): every FSDP2 unit is
+    all-gathered once (a collective, the same units in the same order on every rank) and kept
+    unsharded, so the forwards inside run without collectives and ranks may run different numbers
+    of them; sharded again on exit. Nothing to do for a plain or replicated model."""
+    if not layout.sharded:
+        yield
+        return
+    units = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -60,6 +60,7 @@ from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.parallel import (
     Layout,
     full_tensor,
+    gathered_weights,
     layout_for,
     local_tensor,
     lockstep_count,
@@ -544,7 +545,13 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
         check_inputs(data)
         self.model.eval()
         stop_strings = data.get("stop_strings", gen.stop_strings)
-        out = generate_batch(
+        with gathered_weights(self.model, self.layout):  # ranks stop decoding at different steps
+            out = self._sample(generate_batch, data, gen, stop_strings, greedy)
+        return BatchedDataDict(out)
+
+    def _sample(self, generate_batch: Any, data: BatchedDataDict, gen: Any, stop_strings: Any, greedy: bool) -> dict:
+        """One ``generate_batch`` call on this rank's rows with the live model."""
+        return generate_batch(
             self.model,
             self.tokenizer if self.tokenizer is not None else int(gen.pad_token_id or 0),
             data["input_ids"],
@@ -561,7 +568,6 @@ class PolicyWorker(RefitMixin, CheckpointMixin, LifecycleMixin):
             pad_token_id=gen.pad_token_id,
             max_batch_size=gen.max_batch_size,
         )
-        return BatchedDataDict(out)
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict) -> BatchedDataDict:
