@@ -54,3 +54,42 @@ def val_accuracy(root: str, run_id: str, step: int) -> float | None:
     if not storage.is_committed(uri):
         return None
     return storage.read_manifest(uri).meta.get("val_accuracy")
+
+
+#: SmolLM2-135M's architecture (its HF config), for the random-weight stand-in.
+SMOLLM2_SHAPES = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def build_stand_in(out_dir: str, seed: int = 0) -> str:
+    """A random-weight ``LlamaForCausalLM`` of SmolLM2-135M's shapes + the tiny tokenizer, saved to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from nrl_tasks.models.tiny import build_tiny_tokenizer
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the benchmark's output
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(**SMOLLM2_SHAPES, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def peak_rss_mb(pid: int) -> dict[str, float]:
+    """``{"peak": VmHWM, "now": VmRSS}`` of process ``pid`` in MB (10^6 bytes)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out["peak" if key == "VmHWM" else "now"] = int(value.split()[0]) * 1024 / 1e6
+    return out

@@ -63,16 +63,10 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import best_of, quiet_env, smollm2_available, val_accuracy
+from benchmarks._common import best_of, build_stand_in, peak_rss_mb, quiet_env, smollm2_available, val_accuracy
 
 SMOLLM2_CONFIG = "configs/grpo_smollm2.yaml"
 TINY_CONFIG = "configs/grpo_tiny.yaml"
-#: SmolLM2-135M's architecture (its HF config), for the random-weight stand-in.
-SMOLLM2_SHAPES = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 #: The rollout batch of the resources part: 8 prompts x 4 samples, 16 new tokens each.
 NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS = 8, 4, 16
 LORA_RANKS = (8, 32)
@@ -91,25 +85,6 @@ def lora_overrides(rank: int) -> list[str]:
 def variants() -> dict[str, list[str]]:
     """Name -> overrides of the three compared configs (the full run first: it samples the batch)."""
     return {"full": [], **{f"lora-r{r}": lora_overrides(r) for r in LORA_RANKS}}
-
-
-def build_stand_in(out_dir: str, seed: int = 0) -> str:
-    """A random-weight ``LlamaForCausalLM`` of SmolLM2-135M's shapes + the tiny tokenizer, saved to ``out_dir``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from nrl_tasks.models.tiny import build_tiny_tokenizer
-
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the benchmark's output
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(**SMOLLM2_SHAPES, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
 
 
 def trainable_params(model_dir: str, cfg: Any) -> tuple[int, int]:
@@ -186,17 +161,6 @@ def train_batch(cfg: Any, rollouts: Any, policy: Any, seed: int = 0) -> Any:
     lp = policy.get_logprobs(BatchedDataDict({"input_ids": rollouts["input_ids"],
                                               "input_lengths": rollouts["input_lengths"]}))["logprobs"]
     return build_train_data(rollouts, BatchedDataDict({"prev_logprobs": lp, "reference_policy_logprobs": lp}), adv)
-
-
-def peak_rss_mb(pid: int) -> dict[str, float]:
-    """``{"peak": VmHWM, "now": VmRSS}`` of process ``pid`` in MB (10^6 bytes)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out["peak" if key == "VmHWM" else "now"] = int(value.split()[0]) * 1024 / 1e6
-    return out
 
 
 def time_train(policy: Any, batch: Any, loss_fn: Any, repeats: int) -> dict[str, float]:

@@ -159,3 +159,37 @@ def test_sampling_with_sharded_weights_matches_one_rank(sharded, tiny_model_dir,
         assert torch.equal(out["output_ids"][row, :end], ref["output_ids"][row, :end]), row
     # the weights are sharded again afterwards: training still works
     sharded.train(make_batch(8, WIDTH, seed=9), ClippedPGLossFn())
+
+
+def test_lora_with_sharded_weights(ray_session, tiny_model_dir, tokenizer, tmp_path):
+    """LoRA under sharding: adapters train, the adapter and merged checkpoints are whole (the
+    merge gathered by every rank) and load on one rank with the same adapters-only checksum, and
+    load back into the sharded ranks."""
+    from transformers import AutoModelForCausalLM
+
+    lora = {"enabled": True, "dim": 4, "alpha": 8.0, "save_merged": True}
+    cfg = _config(tiny_model_dir, dtensor_cfg={"lora_cfg": lora})
+    cluster, policy = _policy(cfg, tokenizer, "fsdp-lora")
+    try:
+        assert policy.layout.sharded
+        r = policy.train(make_batch(8, WIDTH, seed=11), ClippedPGLossFn())
+        assert r["grad_norm"] > 0
+        checksum = policy.weights_checksum()
+        w, o = str(tmp_path / "policy"), str(tmp_path / "optimizer")
+        policy.save_checkpoint(w, o)
+        with in_process_worker(cfg) as one:
+            one.load_checkpoint(w, o)
+            assert one.weights_checksum() == checksum
+            from nrl_tasks.models.policy.workers.lora import merged_state
+
+            expected = merged_state(one.model)
+        merged = AutoModelForCausalLM.from_pretrained(w + "_merged").state_dict()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(merged[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+        policy.train(make_batch(8, WIDTH, seed=12), ClippedPGLossFn())
+        assert policy.weights_checksum() != checksum
+        policy.load_checkpoint(w, o)
+        assert policy.weights_checksum() == checksum
+    finally:
+        policy.shutdown()
+        cluster.shutdown()

@@ -70,26 +70,32 @@ class CheckpointMixin:
         from here."""
         self._require_valid_weights("save_checkpoint")  # never persist weights a failed step broke
         full_state = self._gather_full_state(bool(weights_path), bool(optimizer_path))
+        lora = self.cfg.lora
+        merged_sd = None
+        if weights_path and lora is not None and lora.save_merged and self.layout.wrapped:
+            from nrl_tasks.models.policy.workers.lora import merged_state
+
+            merged_sd = merged_state(self.model)  # every rank takes part in the gathers
         if self.rank != 0:
             return {}
-        lora = self.cfg.lora
         if weights_path and lora is not None and lora.save_merged:
             from nrl_tasks.models.policy.workers.lora import merged_weights_path
 
             merged = merged_weights_path(weights_path)
             with staged_uploads((merged,), storage_options) as (m,):
-                self._write_merged_dir(m)
+                self._write_merged_dir(m, merged_sd)
         paths = (weights_path, optimizer_path, tokenizer_path)
         with staged_uploads(paths, storage_options) as (w, o, t):
             self._write_checkpoint_dirs(w, o, t, rng_states, full_state)
         return {k: v for k, v in zip(("weights_path", "optimizer_path", "tokenizer_path"), paths) if v}
 
-    def _write_merged_dir(self, path: str) -> None:
-        """The merged LoRA weights as a plain HF folder (atomically), with the tokenizer if any."""
+    def _write_merged_dir(self, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
+        """The merged LoRA weights (``state`` when gathered already) as a plain HF folder
+        (atomically), with the tokenizer if any."""
         from nrl_tasks.models.policy.workers.lora import save_merged
 
         def write(tmp: str) -> None:
-            save_merged(self.model, tmp)
+            save_merged(self.model, tmp, state)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
 

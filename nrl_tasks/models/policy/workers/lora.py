@@ -47,6 +47,7 @@ __all__ = [
     "load_adapter_into",
     "load_adapter_model",
     "merged_named_tensors",
+    "merged_state",
     "merged_weights_path",
     "save_merged",
     "wrap_with_lora",
@@ -185,11 +186,18 @@ def inject_adapters(hf_model: torch.nn.Module, layout: dict[str, Any], dtype: to
                          f"expected {list(layout['modules'])[:3]}")
 
 
-def save_merged(model: Any, path: str) -> None:
-    """Write the merged weights (:func:`merged_named_tensors`) as an HF folder at ``path`` that
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads without peft."""
-    state = {n: t.contiguous() for n, t in merged_named_tensors(model)}
-    model.get_base_model().save_pretrained(path, state_dict=state)
+def merged_state(model: Any) -> dict[str, torch.Tensor]:
+    """The merged weights (:func:`merged_named_tensors`) as whole CPU tensors. With sharded
+    (FSDP2) weights every rank must call it (each tensor is gathered in turn)."""
+    from nrl_tasks.models.policy.workers.parallel import full_tensor
+
+    return {n: full_tensor(t).to("cpu").contiguous() for n, t in merged_named_tensors(model)}
+
+
+def save_merged(model: Any, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the merged weights (``state``, else :func:`merged_state`) as an HF folder at ``path``
+    that ``AutoModelForCausalLM.from_pretrained(path)`` loads without peft."""
+    model.get_base_model().save_pretrained(path, state_dict=merged_state(model) if state is None else state)
 
 
 def is_adapter_dir(path: str) -> bool:
@@ -237,7 +245,10 @@ def load_adapter_into(model: Any, path: str) -> int:
                 f"adapter tensor {name!r} in {path!r} has shape {list(tensor.shape)}, "
                 f"the model expects {list(expected[name].shape)}"
             )
-    result = set_peft_model_state_dict(model, loaded)
+    from nrl_tasks.models.policy.workers.parallel import like
+
+    # sharded (FSDP2) adapters: each rank keeps its slices of the whole tensors read from the file
+    result = set_peft_model_state_dict(model, {n: like(t, expected[n]) for n, t in loaded.items()})
     if result.unexpected_keys:
         raise ValueError(f"adapter in {path!r}: tensors not used by the model: {result.unexpected_keys[:3]}")
     return len(loaded)

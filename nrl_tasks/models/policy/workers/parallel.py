@@ -45,6 +45,7 @@ __all__ = [
     "Layout",
     "full_tensor",
     "gathered_weights",
+    "like",
     "layout_for",
     "local_tensor",
     "lockstep_count",
@@ -171,6 +172,17 @@ def shard_like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+
+
+def like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``target`` (a ``DTensor`` holding this rank's part when ``target`` is
+    one; ``full`` itself otherwise), for ``load_state_dict`` into a wrapped model."""
+    if not _is_dtensor(target):
+        return full
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(shard_like(full, target), target.device_mesh, target.placements,
+                              shape=target.shape, stride=target.stride())
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
