@@ -27,6 +27,9 @@ What it checks (GPU sizes; ``--cpu`` sizes in brackets):
   (``torch.cuda.memory_allocated``; no-ops by design on CPU) and ``start/stop_gpu_profiling``
   writing a non-empty trace.
 * the step schedule (``nrl_tasks.stages.schedule``, pure).
+* FSDP2 (``dtensor_cfg``; ``_gpu_check_fsdp``) on the largest model, fp32 and bf16: one rank
+  wrapped through ``cpu_offload`` trains like the plain rank, and its gathered checkpoint loads
+  into a plain rank bit for bit; sharding over 2 GPUs is a SKIP row (needs two processes).
 * LoRA (``dtensor_cfg.lora_cfg``, rank 8; needs peft, else one SKIP row) on the same models, fp32
   and bf16: a GRPO ``train`` step moves only the adapters (base-weight checksum bit-identical,
   optimizer holds only adapter params, finite loss; trainable/total params, tokens/s);
@@ -50,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import _gpu_check_fsdp as fsdp
 from benchmarks import _gpu_check_lifecycle as life
 from benchmarks import _gpu_check_lora as lora
 from benchmarks import _gpu_check_policy as pol
@@ -177,6 +181,7 @@ def run_checks(gpu: bool, tmp: Path) -> list[Row]:
     rows += guarded("StepSchedule", "any", schedule_rows)
     rows += guarded("PolicyWorker", device.type, lambda: policy_rows(gpu, tmp, log))
     rows += guarded("LoRA", device.type, lambda: lora_rows(gpu, device, tmp, log))
+    rows += guarded("FSDP2", device.type, lambda: fsdp.fsdp_rows(gpu, tmp, log))
     log("done")
     return rows
 

@@ -6,6 +6,23 @@ from __future__ import annotations
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.models.policy import PolicyConfig
+
+
+def policy_config(model_dir: str, **overrides) -> PolicyConfig:
+    """The small policy config of the Ray policy tests (gbs 8, mbs 2, lr 1e-3), with ``overrides``."""
+    base = dict(
+        model_name=model_dir,
+        train_global_batch_size=8,
+        train_micro_batch_size=2,
+        logprob_batch_size=4,
+        max_total_sequence_length=64,
+        optimizer={"kwargs": {"lr": 1e-3, "weight_decay": 0.01}},
+        generation={"temperature": 0.8, "max_new_tokens": 6},
+        num_cpus_per_worker=0.5,
+    )
+    base.update(overrides)
+    return PolicyConfig(**base)
 
 
 def make_batch(rows: int, width: int, *, seed: int = 0, vocab: int = 300, pad_id: int = 0, min_len: int = 3,

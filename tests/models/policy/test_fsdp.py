@@ -19,25 +19,15 @@ from nrl_tasks.models.policy.lm_policy import Policy
 from nrl_tasks.models.policy.workers import sharding
 from nrl_tasks.models.policy.workers.in_process import in_process_worker
 
-from .helpers import make_batch
+from .helpers import make_batch, policy_config
 
 WIDTH = 24
 
 
 def _config(model_dir: str, **overrides) -> PolicyConfig:
-    base = dict(
-        model_name=model_dir,
-        train_global_batch_size=8,
-        train_micro_batch_size=2,
-        logprob_batch_size=4,
-        max_total_sequence_length=64,
-        optimizer={"kwargs": {"lr": 1e-3, "weight_decay": 0.01}},
-        # one row per decode loop: a rank with more rows runs more forwards (see the sampling test)
-        generation={"temperature": 0.8, "max_new_tokens": 6, "max_batch_size": 1},
-        num_cpus_per_worker=0.5,
-    )
-    base.update(overrides)
-    return PolicyConfig(**base)
+    # one row per decode loop: a rank with more rows runs more forwards (see the sampling test)
+    overrides.setdefault("generation", {"temperature": 0.8, "max_new_tokens": 6, "max_batch_size": 1})
+    return policy_config(model_dir, **overrides)
 
 
 @pytest.fixture(scope="module")

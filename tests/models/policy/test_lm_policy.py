@@ -25,25 +25,14 @@ from nrl_tasks.models.policy.workers import sharding
 
 from nrl_tasks.models.policy.workers.in_process import in_process_worker
 
-from .helpers import make_batch
+from .helpers import make_batch, policy_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WIDTH = 24
 
 
 def _config(model_dir: str, **overrides) -> PolicyConfig:
-    base = dict(
-        model_name=model_dir,
-        train_global_batch_size=8,
-        train_micro_batch_size=2,
-        logprob_batch_size=4,
-        max_total_sequence_length=64,
-        optimizer={"kwargs": {"lr": 1e-3, "weight_decay": 0.01}},
-        generation={"temperature": 0.8, "max_new_tokens": 6},
-        num_cpus_per_worker=0.5,
-    )
-    base.update(overrides)
-    return PolicyConfig(**base)
+    return policy_config(model_dir, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +182,7 @@ def test_checkpoint_round_trip_and_bit_identical_resume(policy2, local_worker, t
     with pytest.raises(ValueError, match="not a directory"):
         policy.load_checkpoint(str(tmp_path / "missing"))
 
-    # a DP=1 worker restores the DP=2 checkpoint (optimizer state is the same on every rank)
+    # a DP=1 worker restores the DP=2 checkpoint (weights and optimizer state gathered whole by rank 0)
     local_worker.load_checkpoint(str(ckpt / "policy"), str(ckpt / "optimizer"))
     assert local_worker.weights_version == 2
     for name, tensor in local_worker.model.state_dict().items():
