@@ -68,6 +68,8 @@ class Layout:
     def mode(self) -> str:
         if not self.wrapped:
             return "single"
+        if self.world_size == 1:
+            return "fsdp2-one-rank"  # cpu_offload on a single rank
         return "fsdp2-sharded" if self.sharded else "fsdp2-replicated"
 
 
