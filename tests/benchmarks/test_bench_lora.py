@@ -12,7 +12,9 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_quick_run_returns_real_figures(capsys):
+def test_quick_run_returns_real_figures(capsys, prefect_harness):
+    # the session's Prefect test server: no ephemeral server to start (one timed out at 120 s
+    # under the slow suite's load in a CI run)
     pytest.importorskip("peft")
     from benchmarks.bench_lora import LORA_LR_FACTOR, main
 
