@@ -82,10 +82,22 @@ def layout_for(dtensor_cfg: Any, world_size: int, *, reward_model: bool = False)
     return Layout(wrapped, wrapped and bool(dtensor_cfg.enabled) and world_size > 1, world_size)
 
 
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model itself (the base of a peft model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[Any]:
+    """The modules ``fully_shard`` was applied to, root first (module order)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules FSDP2 wraps one by one: instances of the classes HF names in
     ``_no_split_modules`` (the decoder layers), outermost first."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _hf_model(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     if not names:
         raise ValueError(
@@ -99,8 +111,7 @@ def parallelize(model: torch.nn.Module, dtensor_cfg: Any, layout: Layout, device
     """Apply ``layout`` to ``model`` (in place; returns it). Needs the default process group of
     ``layout.world_size`` ranks when wrapping."""
     if dtensor_cfg.activation_checkpointing:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not layout.wrapped:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -117,10 +128,9 @@ def parallelize(model: torch.nn.Module, dtensor_cfg: Any, layout: Layout, device
     # the root too frees its gathered weights after each forward: parameters are always at rest
     # (sharded DTensors) between calls, so they can be read and written outside a forward
     fully_shard(model, mesh=mesh, offload_policy=offload, reshard_after_forward=True)
-    for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    for unit in _fsdp_units(model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -133,7 +143,7 @@ def gathered_weights(model: torch.nn.Module, layout: Layout) -> Iterator[None]:
     if not layout.sharded:
         yield
         return
-    units = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
+    units = _fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()

@@ -495,7 +495,7 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
             guard.check_grad_norm(grad_norm, self.param_names, self.params)
             lrs = guard.check_lr(self.optimizer)
             guard.step(self.optimizer, lrs[0])
-            finite = self._on_every_rank(all_finite([local_tensor(p) for p in self.params]))
+            finite = self._on_every_rank(all_finite(self.params))  # of this rank's parts
             guard.check_parameters(self.param_names, self.params, loss=loss_sum, grad_norm=grad_norm, lr=lrs[0],
                                    finite=finite)
             self.scheduler.step()
