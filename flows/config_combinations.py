@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flows.config_bounds import MAX_ROWS
 
@@ -118,4 +118,22 @@ def combination_errors(cfg: "MasterConfig") -> list[str]:
         errs.append("grpo.val_period > 0 with data.dataset 'file' needs data.val_path")
     if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
         errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")
+    return errs + _colocation_errors(cfg, gen)
+
+
+def _colocation_errors(cfg: "MasterConfig", gen: Any) -> list[str]:
+    """``generation.colocated.enabled``: generation runs in the policy workers, one phase at a time."""
+    if not gen.colocated.enabled:
+        return []
+    errs = []
+    if cfg.grpo.async_grpo.enabled:
+        errs.append(
+            "generation.colocated.enabled does not go with grpo.async_grpo.enabled: colocated generation and "
+            "training share the devices, so nothing can overlap (set one of them to false)"
+        )
+    if gen.num_workers != 1:
+        errs.append(
+            f"generation.num_workers ({gen.num_workers}) is not used with generation.colocated.enabled=true: "
+            "generation runs on the policy's ranks (cluster.policy_workers); leave it at 1"
+        )
     return errs

@@ -6,7 +6,8 @@ observers (:mod:`flows.plugins`) into the context every stage receives. Nothing 
 module: the flow holds the context for the run and passes it on.
 
 Actors are named and detached in the Ray namespace ``nrl-<run_id>``: ``lm_policy-<rank>``
-(trainer workers), ``generation-<rank>`` and, when configured, ``reward_model-<rank>``; placement
+(trainer workers), ``generation-<rank>`` (none with ``generation.colocated.enabled``: the policy
+workers sample) and, when configured, ``reward_model-<rank>``; placement
 groups are ``<run_id>-policy-pg0`` etc. With a Ray head node they outlive the flow process and a
 resumed flow re-attaches (:meth:`Runtime.start_policy` tries to attach first); with a local Ray
 they die with it and resume re-creates them.
@@ -103,6 +104,8 @@ class Runtime:
         cl = self._cluster("policy", cfg.cluster.policy_workers, cfg.cluster.num_cpus_per_worker)
         self.policy = Policy(cl, pc, self.tokenizer, name_prefix="lm_policy", namespace=self.namespace)
         self.policy_attached = False
+        if self.generation is not None and self.generation.shares_policy_weights:
+            self.start_generation(fresh=True)  # colocated: sample on the new workers (version 0, as they are)
         return False
 
     def start_generation(self, *, fresh: bool = False) -> bool:
@@ -110,6 +113,12 @@ class Runtime:
         from nrl_tasks.models.generation.hf_generation import HfGeneration
 
         gen = self.cfg.generation_config()
+        if gen.colocated.enabled:  # sampling inside the policy workers: no actors of its own
+            from nrl_tasks.models.generation.colocated import ColocatedGeneration
+
+            self.generation = ColocatedGeneration(self.policy)
+            self.generation_attached = False
+            return False
         if not fresh:
             try:
                 self.generation = HfGeneration.attach(name_prefix="generation", namespace=self.namespace)

@@ -57,6 +57,8 @@ def generation_responsive(generation: Any, timeout_s: float | None = None) -> li
     """Every generation worker's ``{"weights_version", "stale", "rank"}``; ``None`` if one is dead or stuck."""
     if generation is None:
         return None
+    if generation.shares_policy_weights:  # colocated: its liveness is the policy's
+        return generation.weights_state()
     try:
         refs = generation.worker_group.run_all_workers_single_data("get_weights_state")
     except Exception:  # noqa: BLE001 - shut down

@@ -12,6 +12,10 @@ Sequence (one attempt, :func:`refit_weights`):
 4. packed broadcast; the workers adopt the version after the last byte;
 5. verify every worker reports the version (and, in debug mode, the policy's weights checksum).
 
+Colocated generation (``generation.colocated.enabled``, the ``hf`` backend sampling inside the
+policy workers) shares the policy's weights: the attempt only records the version
+(``bytes`` 0, ``colocated`` True).
+
 The attempt runs under a hard deadline (``grpo.refit.timeout_s``): the broadcast group's own
 timeout makes a blocked collective raise inside the actors, and a watchdog thread bounds the
 driver (Prefect's timeouts cannot interrupt a blocking call).
@@ -116,6 +120,9 @@ def refit_weights(
     t0 = time.monotonic()
     deadline = t0 + float(timeout_s)
     generation.mark_stale()
+    if generation.shares_policy_weights:  # colocated: generation runs on the policy's own weights
+        out = generation.record_refit(weights_version)
+        return {**out, "seconds": time.monotonic() - t0, "setup_seconds": 0.0, "broadcast_seconds": 0.0}
     info = policy.prepare_refit_info()
     generation.prepare_refit_info(info)
     gen_world = generation_world_size(generation)
@@ -205,6 +212,9 @@ def abort_refit(rt: Any, error: BaseException, attempt: int, *, timeout_s: float
     import ray
 
     states = []
+    if rt.generation is not None and rt.generation.shares_policy_weights:  # colocated: nothing was streamed
+        rt.generation.mark_stale()
+        return {"attempt": attempt, "error": f"{type(error).__name__}: {error}"[:500], "generation": rt.generation.weights_state()}
     workers = rt.generation.workers if rt.generation is not None else []
     for rank, w in enumerate(workers):
         try:

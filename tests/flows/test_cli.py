@@ -38,6 +38,13 @@ def _count_flow_runs() -> int:
         (["grpo", "--config", TINY_CONFIG, "env.reward_fn=tests.faults.reward_plugins:no_such_fn"], "no attribute"),
         (["grpo", "--config", TINY_CONFIG, "data.dataset=file", "data.train_path=/nonexistent/p.jsonl"], "data.train_path"),
         (["grpo", "--config", TINY_CONFIG, "cluster.ray.address=null", "generation.num_workers=900"], "a local Ray on this machine"),
+        (["grpo", "--config", TINY_CONFIG, "generation.colocated.enabled=true", "grpo.async_grpo.enabled=true",
+          "loss_fn.use_importance_sampling_correction=true"],
+         "generation.colocated.enabled does not go with grpo.async_grpo.enabled"),
+        (["grpo", "--config", TINY_CONFIG, "generation.colocated.enabled=true", "generation.num_workers=2"],
+         "generation.num_workers (2) is not used with generation.colocated.enabled=true"),
+        (["grpo", "--config", TINY_CONFIG, "generation.colocated.enabled=true", "generation.backend=vllm",
+          "cluster.gpus_per_node=1"], "colocated.enabled=true with backend='vllm' is not built"),
     ],
 )
 def test_bad_input_starts_nothing(args, needle, prefect_harness, monkeypatch, capsys):

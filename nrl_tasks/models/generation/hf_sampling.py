@@ -32,12 +32,19 @@ Sampling conventions:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["build_generation_output", "filter_top_k_top_p", "generate_batch", "resolve_pad_and_stop_ids"]
+__all__ = [
+    "build_generation_output",
+    "filter_top_k_top_p",
+    "generate_batch",
+    "merge_stop_strings",
+    "resolve_pad_and_stop_ids",
+    "sample_rows",
+]
 
 _TAIL_EXTRA_TOKENS = 4
 #: Finished rows are dropped from the compute batch (and the KV cache) once at most this
@@ -414,3 +421,55 @@ def build_generation_output(
         "unpadded_sequence_lengths": lengths + gen_lengths,
         "truncated": torch.tensor(list(truncated), dtype=torch.bool),
     }
+
+
+def merge_stop_strings(global_stops: list[str] | None, per_row: Any, batch: int) -> list[list[str]] | None:
+    """Per-row stop strings: the configured ones plus the row's own (``data["stop_strings"]``)."""
+    base = list(global_stops or [])
+    if per_row is None:
+        return [list(base) for _ in range(batch)] if base else None
+    rows = list(per_row)
+    if len(rows) != batch:
+        raise ValueError(f"data['stop_strings'] has {len(rows)} entries for a batch of {batch}")
+    merged = []
+    for i, row in enumerate(rows):
+        if row is None:
+            merged.append(list(base))
+        elif isinstance(row, str):
+            raise TypeError(f"data['stop_strings'][{i}] must be a list of strings or None, got a str")
+        else:
+            merged.append(base + [s for s in row if s not in base])
+    return merged
+
+
+def sample_rows(
+    model: Any, tokenizer_or_pad_id: Any, data: Mapping[str, Any], cfg: Any, *, greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`generate_batch` on one :class:`GenerationDatumSpec` shard (``input_ids``,
+    ``input_lengths``, optional ``seeds`` and per-row ``stop_strings``) with the sampling settings of
+    ``cfg`` (a :class:`~nrl_tasks.models.generation.interfaces.GenerationConfig`); the row's stop
+    strings are added to ``cfg.stop_strings``. The one call the generation workers and the policy's
+    colocated sampling share."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise ValueError(f"generate: data is missing key {key!r}")
+    input_ids = data["input_ids"]
+    return generate_batch(
+        model,
+        tokenizer_or_pad_id,
+        input_ids,
+        data["input_lengths"],
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        stop_token_ids=cfg.stop_token_ids,
+        stop_strings=merge_stop_strings(cfg.stop_strings, data.get("stop_strings"), int(input_ids.shape[0])),
+        seeds=data.get("seeds"),
+        greedy=greedy,
+        ignore_eos=cfg.ignore_eos,
+        pad_token_id=cfg.pad_token_id,
+        max_batch_size=cfg.max_batch_size,
+        generator=generator,
+    )

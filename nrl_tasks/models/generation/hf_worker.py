@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nrl_tasks.models.generation.hf_sampling import generate_batch, resolve_pad_and_stop_ids
+from nrl_tasks.models.generation.hf_sampling import merge_stop_strings, resolve_pad_and_stop_ids, sample_rows
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
 
 __all__ = ["GenerationWorkerBase", "HfGenerationWorker", "hf_refit_named_tensors", "merge_stop_strings"]
@@ -45,25 +45,6 @@ def hf_refit_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tens
         seen.add(id(tensor))
         out.append((name, tensor.detach()))
     return out
-
-
-def merge_stop_strings(global_stops: list[str] | None, per_row: Any, batch: int) -> list[list[str]] | None:
-    """Per-row stop strings: the configured ones plus the row's own (``data["stop_strings"]``)."""
-    base = list(global_stops or [])
-    if per_row is None:
-        return [list(base) for _ in range(batch)] if base else None
-    rows = list(per_row)
-    if len(rows) != batch:
-        raise ValueError(f"data['stop_strings'] has {len(rows)} entries for a batch of {batch}")
-    merged = []
-    for i, row in enumerate(rows):
-        if row is None:
-            merged.append(list(base))
-        elif isinstance(row, str):
-            raise TypeError(f"data['stop_strings'][{i}] must be a list of strings or None, got a str")
-        else:
-            merged.append(base + [s for s in row if s not in base])
-    return merged
 
 
 class GenerationWorkerBase:
@@ -265,30 +246,7 @@ class HfGenerationWorker(GenerationWorkerBase):
         Raises :class:`StaleWeightsError` (see :meth:`check_version`).
         """
         self.check_version(weights_version)
-        for key in ("input_ids", "input_lengths"):
-            if key not in data:
-                raise ValueError(f"generate: data is missing key {key!r}")
-        input_ids = data["input_ids"]
-        batch = int(input_ids.shape[0])
-        cfg = self.cfg
-        return generate_batch(
-            self.model,
-            self.tokenizer,
-            input_ids,
-            data["input_lengths"],
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            stop_token_ids=cfg.stop_token_ids,
-            stop_strings=merge_stop_strings(cfg.stop_strings, data.get("stop_strings"), batch),
-            seeds=data.get("seeds"),
-            greedy=greedy,
-            ignore_eos=cfg.ignore_eos,
-            pad_token_id=cfg.pad_token_id,
-            max_batch_size=cfg.max_batch_size,
-            generator=self._generator,
-        )
+        return sample_rows(self.model, self.tokenizer, data, self.cfg, greedy=greedy, generator=self._generator)
 
     # ---------------------------------------------------------------- refit
     def _adapter_layout(self) -> dict[str, Any] | None:

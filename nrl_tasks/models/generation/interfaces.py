@@ -64,7 +64,9 @@ class GenerationOutputSpec(TypedDict):
 
 
 class ColocatedConfig(BaseModel):
-    """Whether generation shares the policy's devices (only ``enabled=False`` is used here)."""
+    """NeMo-RL's ``generation.colocated``: ``enabled`` runs generation on the policy's devices (with
+    the ``hf`` backend inside the policy workers: :mod:`nrl_tasks.models.generation.colocated`);
+    ``resources`` (NeMo-RL: the generation cluster when not colocated) is accepted and unused."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
@@ -137,13 +139,21 @@ class GenerationConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_checks(self) -> GenerationConfig:
-        if self.colocated.enabled:
-            raise ValueError("colocated.enabled=True is not supported: generation workers are separate actors")
+        if self.colocated.enabled and self.backend == "vllm":
+            raise ValueError(
+                "colocated.enabled=true with backend='vllm' is not built (vLLM's sleep mode and colocated refit need a "
+                "GPU): use backend='hf', which samples inside the policy workers, or colocated.enabled=false"
+            )
         return self
 
 
 class GenerationInterface(ABC):
-    """What the stages call on a generation backend (a group of workers)."""
+    """What the stages call on a generation backend (a group of workers).
+
+    ``shares_policy_weights``: True for colocated generation in the policy's own workers
+    (:mod:`nrl_tasks.models.generation.colocated`), whose refit only records a version."""
+
+    shares_policy_weights: bool = False
 
     @abstractmethod
     def generate(self, data: Any, greedy: bool = False, *, weights_version: int | None = None) -> Any:

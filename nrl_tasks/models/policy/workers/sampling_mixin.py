@@ -1,7 +1,9 @@
 """Sampling and reward scoring with a policy worker's live weights (mixed into ``PolicyWorker``).
 
-``generate`` is in-process HF sampling (the decode loop the generation workers share) on this
-rank's rows; with sharded (FSDP2) weights every rank first gathers the whole weights once
+``generate`` is in-process HF sampling on this rank's rows, the call the HF generation workers
+make (:func:`~nrl_tasks.models.generation.hf_sampling.sample_rows`: the same rows and seeds give the
+same samples on the same weights); colocated generation (``generation.colocated.enabled``) runs
+here. With sharded (FSDP2) weights every rank first gathers the whole weights once
 (:func:`~nrl_tasks.models.policy.workers.parallel.gathered_weights`), so ranks may decode different
 numbers of steps. ``score`` is the reward head of a sequence-classification policy (never wrapped).
 """
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.models.generation.hf_sampling import sample_rows
 from nrl_tasks.models.policy.workers.batches import check_inputs
 from nrl_tasks.models.policy.workers.parallel import gathered_weights
 
@@ -33,36 +36,12 @@ class SamplingMixin:
         gen = self.cfg.generation
         if gen is None:
             raise ValueError("Policy.generate needs a 'generation' section in the policy config")
-        try:
-            from nrl_tasks.models.generation.hf_sampling import generate_batch
-        except ImportError as exc:  # pragma: no cover - module ships with the package
-            raise NotImplementedError(f"Policy.generate needs nrl_tasks.models.generation.hf_sampling: {exc}") from exc
         check_inputs(data)
         self.model.eval()
-        stop_strings = data.get("stop_strings", gen.stop_strings)
+        pad_or_tokenizer = self.tokenizer if self.tokenizer is not None else int(gen.pad_token_id or 0)
         with gathered_weights(self.model, self.layout):  # ranks stop decoding at different steps
-            out = self._sample(generate_batch, data, gen, stop_strings, greedy)
+            out = sample_rows(self.model, pad_or_tokenizer, data, gen, greedy=greedy)
         return BatchedDataDict(out)
-
-    def _sample(self, generate_batch: Any, data: BatchedDataDict, gen: Any, stop_strings: Any, greedy: bool) -> dict:
-        """One ``generate_batch`` call on this rank's rows with the live model."""
-        return generate_batch(
-            self.model,
-            self.tokenizer if self.tokenizer is not None else int(gen.pad_token_id or 0),
-            data["input_ids"],
-            data["input_lengths"],
-            max_new_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            stop_token_ids=gen.stop_token_ids,
-            stop_strings=stop_strings,
-            seeds=data.get("seeds"),
-            greedy=greedy,
-            ignore_eos=gen.ignore_eos,
-            pad_token_id=gen.pad_token_id,
-            max_batch_size=gen.max_batch_size,
-        )
 
     @torch.no_grad()
     def score(self, data: BatchedDataDict) -> BatchedDataDict:
