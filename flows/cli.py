@@ -97,7 +97,7 @@ def _error(msg: str) -> int:
 
 def _cmd_grpo(args: argparse.Namespace) -> int:
     from flows.config import ConfigError
-    from flows.grpo import new_run_id, resolve_config
+    from flows.run_config import new_run_id, resolve_config
     from flows.run_layout import validate_run_id
 
     from flows.preflight import preflight
@@ -122,7 +122,7 @@ def _cmd_grpo(args: argparse.Namespace) -> int:
 
 def _cmd_dpo(args: argparse.Namespace) -> int:
     from flows.config import ConfigError
-    from flows.grpo import new_run_id, resolve_config
+    from flows.run_config import new_run_id, resolve_config
     from flows.run_layout import RunLayout, validate_run_id
     from storage import fs
 
@@ -143,7 +143,7 @@ def _cmd_dpo(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from flows.grpo import resolve_config
+    from flows.run_config import resolve_config
     from flows.run_layout import RunLayout, validate_run_id
     from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
     from flows.run_state import check_config_hash

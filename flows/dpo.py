@@ -37,7 +37,7 @@ from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
 from flows.crash_cleanup import mark_orphans_crashed
-from flows.grpo import new_run_id, resolve_config
+from flows.run_config import new_run_id, resolve_config
 from flows.metrics import read_metrics, upsert_metrics
 from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from typing import Any, Callable
 
 from dataclasses import replace
@@ -43,7 +42,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
-from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml, load_config
+from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
 from flows.plugins import load_observers
@@ -53,14 +52,8 @@ from flows.recompute import apply_recompute, check_recompute_config, check_resum
 from flows.retention import RetentionPolicy, apply_retention
 from flows.flow_run_meta import rename_flow_run
 from flows.step import StepPlan, tag_flow_run
-from flows.run_state import (
-    check_storage_root,
-    init_run,
-    read_status,
-    saved_config_data,
-    trained_prefix,
-    write_status,
-)
+from flows.run_config import new_run_id, resolve_config
+from flows.run_state import init_run, read_status, trained_prefix, write_status
 from flows.trackers import open_trackers, publish_tracker_links
 from flows.warm_start import ensure_warm_start, with_warm_start_weights
 from flows.run_lease import check_fence, hold_run_lease
@@ -72,43 +65,6 @@ from nrl_tasks.stages.errors import exception_chain
 from storage import retry_policy
 
 __all__ = ["grpo", "new_run_id", "resolve_config", "run_grpo_steps"]
-
-
-def new_run_id(prefix: str = "grpo") -> str:
-    """A fresh run id. Inside a flow run it is derived from the flow-run id only
-    (``grpo-<12 hex>``), so ``prefect flow-run retry`` of a run started without a run id finds
-    the same run; outside, ``grpo-YYYYmmdd-HHMMSS-<6 hex>``."""
-    try:
-        from prefect.runtime import flow_run
-
-        fid = flow_run.id
-    except Exception:  # noqa: BLE001
-        fid = None
-    if fid:
-        return f"{prefix}-{str(fid).replace('-', '')[:12]}"
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-
-
-def resolve_config(
-    config: Any,
-    overrides: list[str] | None = None,
-    storage: str | None = None,
-    *,
-    run_id: str | None = None,
-) -> MasterConfig:
-    """Validated config with overrides and an explicit storage root applied (normalised).
-
-    ``config=None`` with a ``run_id`` loads that run's saved ``config.yaml`` (resume).
-    """
-    resuming = config is None and bool(run_id)
-    if resuming:  # the run must exist: nothing is created
-        root = check_storage_root(storage or "./runs", create=False)
-        config = saved_config_data(validate_run_id(run_id), root)
-    cfg = load_config(config, overrides or [], name=RunLayout(root, run_id).config_uri if resuming else None)
-    if storage:
-        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": storage})})
-    root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None, create=not resuming)
-    return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": root})})
 
 
 def resume_config(config: Any, overrides: list[str] | None, storage: str | None, run_id: str, log: Any) -> MasterConfig:

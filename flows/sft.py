@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger, task
 from prefect.utilities.annotations import quote
 
 from flows.config import MasterConfig
-from flows.grpo import new_run_id, resolve_config
+from flows.run_config import new_run_id, resolve_config
 from flows.runtime import build_run_context, setup_runtime
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from nrl_tasks.stages.context import RunContext

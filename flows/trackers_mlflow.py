@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.trackers import eval_fields, redact_url, scalar_fields
+from flows.tracker_fields import eval_fields, redact_url, scalar_fields
 
 if TYPE_CHECKING:
     from flows.config import MLflowConfig

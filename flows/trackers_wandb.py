@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from flows.trackers import eval_fields, scalar_fields
+from flows.tracker_fields import eval_fields, scalar_fields
 
 if TYPE_CHECKING:
     from flows.config import WandbConfig

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_STAGE_RETRY_DELAY_S",
     "DamagedRunError",
     "NonFiniteTrainingError",
+    "RefitFailedError",
     "StalePolicyError",
     "exception_chain",
     "is_actor_fault",
@@ -49,10 +50,13 @@ class StalePolicyError(RuntimeError):
     """The policy does not hold the weights version a stage needs (re-created or restarted actors)."""
 
 
+class RefitFailedError(RuntimeError):
+    """A refit attempt failed or missed its deadline; the generation workers are stale."""
+
+
 def _fault_types() -> tuple[type, ...]:
     import ray.exceptions as rx
 
-    from nrl_tasks.stages.refit import RefitFailedError
     from nrl_tasks.utils.collective import CollectiveError
 
     types: list[type] = [rx.RayActorError, rx.GetTimeoutError, rx.WorkerCrashedError, rx.ObjectLostError]

@@ -42,6 +42,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.errors import RefitFailedError, StalePolicyError
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
 
@@ -49,10 +50,6 @@ __all__ = ["RefitFailedError", "abort_refit", "refit", "refit_weights"]
 
 #: ``(role, workers)`` -> None: told right before the broadcast calls into each side
 ActorCallHook = Callable[[str, Sequence[Any]], None]
-
-
-class RefitFailedError(RuntimeError):
-    """A refit attempt failed or missed its deadline; the generation workers are stale."""
 
 
 def _ray_get(refs: list[Any], deadline: float, what: str) -> list[Any]:
@@ -252,8 +249,6 @@ def refit(ctx: StepContext, trained: DatasetRef | None, weights_version: int, fo
     with stage_failures(ctx, "refit") as attempt:
         have = run.policy.weights_version
         if have != weights_version:
-            from nrl_tasks.stages.errors import StalePolicyError
-
             raise StalePolicyError(f"refit to version {weights_version}: the policy holds {have}")
         try:
             ctx.emit("refit", "start")

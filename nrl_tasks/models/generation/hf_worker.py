@@ -13,7 +13,7 @@ generation precision on CUDA when the actor was given a GPU, else on CPU; ``gene
 :func:`hf_refit_named_tensors` (the state dict, tied weights once) in the generation dtype, or,
 once a LoRA policy's first adapters-only refit arrived (``RefitInfo.adapter``), only the adapter
 tensors: the worker then holds the base weights once, with the same peft LoRA layers as the
-policy, applied unmerged (:mod:`nrl_tasks.models.policy.workers.lora`).
+policy, applied unmerged (:mod:`nrl_tasks.models.lora_adapters`).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class HfGenerationWorker(GenerationWorkerBase):
         self._adapter: dict[str, Any] | None = None  # set by the first adapters-only refit
         self._merged_checkpoint = os.path.isfile(os.path.join(path, "adapter_config.json"))
         if self._merged_checkpoint:  # a LoRA checkpoint: base + adapter, merged
-            from nrl_tasks.models.policy.workers.lora import load_adapter_model
+            from nrl_tasks.models.lora_adapters import load_adapter_model
 
             model = load_adapter_model(path, self.dtype)
             tok_path = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else model.name_or_path
@@ -264,14 +264,14 @@ class HfGenerationWorker(GenerationWorkerBase):
                 f"generation worker {self.rank} loaded {self.model_path!r}, an adapter checkpoint merged into its base: "
                 "an adapters-only refit needs the base model folder"
             )
-        from nrl_tasks.models.policy.workers.lora import inject_adapters
+        from nrl_tasks.models.lora_adapters import inject_adapters
 
         inject_adapters(self.model, adapter, self.dtype)
         self._adapter = adapter
 
     def _refit_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         if self._adapter is not None:
-            from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
+            from nrl_tasks.models.lora_adapters import adapter_named_tensors
 
             return list(adapter_named_tensors(self.model))
         return hf_refit_named_tensors(self.model)

@@ -19,15 +19,8 @@ The algorithm, when ``lora_cfg.enabled``:
    with ``save_merged`` a sibling ``<weights>_merged/`` holds the merged HF safetensors.
    A restore copies the adapter tensors into the live peft model (bit-exact).
 
-5. adapters-only refit (every generation backend): the generation workers load the base weights
-   once and receive only :func:`adapter_named_tensors` (``<module>.lora_A.weight`` and
-   ``<module>.lora_B.weight`` of each adapted module, in module order) with their layout
-   :func:`adapter_layout` (rank, alpha, modules). On the first such refit an HF generation worker
-   puts the same LoRA layers into its plain HF model with ``peft.inject_adapter_in_model``
-   (:func:`inject_adapters`) and then only copies adapter tensors. It runs the adapters unmerged,
-   so its forward is the policy's own arithmetic (``W x + scale * B A x``): greedy outputs equal
-   the policy's ``generate`` bit for bit in float32. A vLLM worker hands the adapters to vLLM's
-   own LoRA support (:mod:`nrl_tasks.models.generation.vllm_lora`).
+5. adapters-only refit: the generation workers receive only the adapter tensors; what both
+   sides share is in :mod:`nrl_tasks.models.lora_adapters`.
 """
 
 from __future__ import annotations
@@ -37,6 +30,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from nrl_tasks.models.lora_adapters import (
+    adapter_layout,
+    adapter_named_tensors,
+    inject_adapters,
+    is_adapter_dir,
+    load_adapter_model,
+    lora_layers,
+)
 
 __all__ = [
     "ADAPTER_FILE",
@@ -104,19 +106,13 @@ def wrap_with_lora(model: torch.nn.Module, cfg: Any) -> Any:
     return wrapped
 
 
-def _lora_layers(base: torch.nn.Module) -> dict[str, Any]:
-    from peft.tuners.lora import LoraLayer
-
-    return {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-
-
 def merged_named_tensors(model: Any, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the base HF model's state dict with the HF names and order (peft's
     ``base_layer`` removed, adapter tensors left out, aliases once), each adapted ``weight`` as a
     new tensor ``W + scale * B @ A`` (``merge=False``: the base ``W`` itself, for shapes only).
     The live weights are not changed."""
     base = model.get_base_model()
-    layers = _lora_layers(base)
+    layers = lora_layers(base)
     seen: set[int] = set()
     for name, tensor in base.state_dict(keep_vars=True).items():
         parts = name.split(".")
@@ -140,52 +136,6 @@ def merged_named_tensors(model: Any, *, merge: bool = True) -> Iterator[tuple[st
             yield name, tensor.detach()
 
 
-def adapter_layout(hf_model: torch.nn.Module) -> dict[str, Any] | None:
-    """``{"r", "alpha", "modules"}`` of the LoRA layers in ``hf_model`` (the base HF model of a
-    peft model, or a generation worker's model after :func:`inject_adapters`), ``None`` without
-    LoRA layers. One rank and alpha for all modules (what ``LoRAConfig`` builds)."""
-    layers = _lora_layers(hf_model)
-    if not layers:
-        return None
-    ranks = {layer.r[a] for layer in layers.values() for a in layer.active_adapters}
-    alphas = {float(layer.lora_alpha[a]) for layer in layers.values() for a in layer.active_adapters}
-    if len(ranks) != 1 or len(alphas) != 1:
-        raise ValueError(f"LoRA layers with mixed ranks {sorted(ranks)} or alphas {sorted(alphas)}: no single adapter layout")
-    return {"r": int(ranks.pop()), "alpha": alphas.pop(), "modules": list(layers)}
-
-
-def adapter_named_tensors(hf_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(<module>.lora_A.weight, A)`` and ``(<module>.lora_B.weight, B)`` of each LoRA layer of
-    ``hf_model`` in module order: what an adapters-only refit sends (the live tensors)."""
-    for name, layer in _lora_layers(hf_model).items():
-        for adapter in layer.active_adapters:
-            yield f"{name}.lora_A.weight", layer.lora_A[adapter].weight.detach()
-            yield f"{name}.lora_B.weight", layer.lora_B[adapter].weight.detach()
-
-
-def inject_adapters(hf_model: torch.nn.Module, layout: dict[str, Any], dtype: torch.dtype) -> None:
-    """Put LoRA layers of ``layout`` (:func:`adapter_layout`) into the plain HF ``hf_model`` in place
-    (``peft.inject_adapter_in_model``; B = 0, so the model is unchanged until adapters arrive),
-    adapter weights in ``dtype``, no dropout. ``ValueError`` naming a module the model lacks."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    names = {name for name, _ in hf_model.named_modules()}
-    missing = [m for m in layout["modules"] if m not in names]
-    if missing:
-        raise ValueError(f"adapter layout names modules this model lacks: {missing[:3]}")
-    cfg = LoraConfig(r=int(layout["r"]), lora_alpha=float(layout["alpha"]), lora_dropout=0.0,
-                     target_modules=list(layout["modules"]), bias="none", init_lora_weights=True)
-    inject_adapter_in_model(cfg, hf_model)
-    for layer in _lora_layers(hf_model).values():
-        for part in (layer.lora_A, layer.lora_B):
-            part.to(dtype)
-        layer.requires_grad_(False)
-    got = adapter_layout(hf_model)
-    if got is None or got["modules"] != list(layout["modules"]):
-        raise ValueError(f"injecting the adapter layout gave modules {None if got is None else got['modules'][:3]}, "
-                         f"expected {list(layout['modules'])[:3]}")
-
-
 def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The merged weights (:func:`merged_named_tensors`) as whole CPU tensors. With sharded
     (FSDP2) weights every rank must call it (each tensor is gathered in turn)."""
@@ -198,27 +148,6 @@ def save_merged(model: Any, path: str, state: dict[str, torch.Tensor] | None = N
     """Write the merged weights (``state``, else :func:`merged_state`) as an HF folder at ``path``
     that ``AutoModelForCausalLM.from_pretrained(path)`` loads without peft."""
     model.get_base_model().save_pretrained(path, state_dict=merged_state(model) if state is None else state)
-
-
-def is_adapter_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "adapter_config.json"))
-
-
-def load_adapter_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A plain HF model of a PEFT adapter folder: its base (``base_model_name_or_path`` of
-    ``adapter_config.json``) with the adapter merged in. How generation workers and the eval sweep
-    load an adapter checkpoint as it is, with no conversion step by the user."""
-    import json
-
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as fh:
-        base_path = json.load(fh).get("base_model_name_or_path")
-    if not base_path or not os.path.isdir(base_path):
-        raise ValueError(f"LoRA adapter {path!r}: its base model {base_path!r} (adapter_config.json) is not a local folder")
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-    return PeftModel.from_pretrained(base, path).merge_and_unload()
 
 
 @torch.no_grad()

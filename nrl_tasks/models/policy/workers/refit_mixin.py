@@ -64,7 +64,7 @@ class RefitMixin:
         """The tensors a refit sends as this rank holds them (``DTensor``s when sharded; their
         ``shape`` is the whole tensor's)."""
         if self._adapters_only():
-            from nrl_tasks.models.policy.workers.lora import adapter_named_tensors
+            from nrl_tasks.models.lora_adapters import adapter_named_tensors
 
             return adapter_named_tensors(self.model.get_base_model())
         return refit_named_tensors(self.model)
@@ -96,7 +96,7 @@ class RefitMixin:
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
             for n, t in self._refit_parts()
         )
-        from nrl_tasks.models.policy.workers.lora import adapter_layout
+        from nrl_tasks.models.lora_adapters import adapter_layout
 
         adapter = adapter_layout(self.model.get_base_model()) if self._adapters_only() else None
         self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version, adapter)
