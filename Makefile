@@ -19,10 +19,10 @@ install: $(STAMP)
 # Fast suite (CI's gate, < 15 min on 2 cores). `make test-slow` runs the long fault, scale-out and
 # soak suites (marked `slow`); `make test-all` runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=15
 
 test-all: test test-slow
 

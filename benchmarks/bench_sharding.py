@@ -28,13 +28,17 @@ The model: SmolLM2-135M-Instruct when the offline package is installed (``make s
 random-weight stand-in of its exact shapes (134.5 M parameters; bytes, memory and time do not depend
 on the weight values). ``--quick``: the tiny model, 2 repeats (well under a minute).
 
-Not measured yet: colocated vs separate generation workers (``generation.colocated.enabled`` is
-still refused). Timings on the shared 2-core machine are noisy: read the ratios within one run.
+Then two whole GRPO jobs of the same model, config and seeds, one with a separate generation worker
+and one colocated (``generation.colocated.enabled``): peak memory of the whole job and step time
+(:mod:`benchmarks._colocation`; ``--steps``, default 4; ``configs/grpo_smollm2.yaml``, or
+``configs/grpo_tiny.yaml`` with ``--quick``). Timings on the shared 2-core machine are noisy: read
+the ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -43,6 +47,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._colocation import colocation_rows, print_colocation
 from benchmarks._common import build_stand_in, peak_rss_mb, quiet_env, smollm2_available
 
 LAYOUTS = {
@@ -131,7 +136,6 @@ def print_table(label: str, rows: dict[str, dict[str, Any]], ranks: int, repeats
               f"| {abs(r['grad_norm'] - base['grad_norm']) / base['grad_norm']:.1e} |")
     share = rows["fsdp2"]["state_mb"] / base["state_mb"]
     print(f"target: fsdp2 state per rank <= 0.6 of replicated: {share:.2f} -> **{'reached' if share <= 0.6 else 'missed'}**")
-    print("colocated vs separate generation workers: not measured (generation.colocated.enabled is not built yet)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="the tiny model, 2 repeats")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps of each colocation job (default 4; 3 with --quick)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
     tmp = tempfile.mkdtemp(prefix="bench-sharding-")
@@ -174,7 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if started:
             ray.shutdown()
     print_table(label, rows, args.ranks, repeats)
-    return {"model": label, "ranks": args.ranks, "rows": rows}
+    steps = args.steps or (3 if args.quick else 4)
+    config = "configs/grpo_tiny.yaml" if args.quick else "configs/grpo_smollm2.yaml"
+    coloc = colocation_rows(config, [f"policy.model_name={model}"], steps, tmp)
+    print_colocation(f"{label}, {os.path.basename(config)}", coloc, steps)
+    return {"model": label, "ranks": args.ranks, "rows": rows, "colocation": coloc}
 
 
 if __name__ == "__main__":

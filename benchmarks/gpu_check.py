@@ -30,6 +30,9 @@ What it checks (GPU sizes; ``--cpu`` sizes in brackets):
 * FSDP2 (``dtensor_cfg``; ``_gpu_check_fsdp``) on the largest model, fp32 and bf16: one rank
   wrapped through ``cpu_offload`` trains like the plain rank, and its gathered checkpoint loads
   into a plain rank bit for bit; sharding over 2 GPUs is a SKIP row (needs two processes).
+* colocated generation (``_gpu_check_colocated``), fp32 and bf16: one ``PolicyWorker`` samples,
+  trains and samples again on its live weights (logprobs of its samples = its ``get_logprobs``
+  before and after the step); device memory peak vs a separate generation copy.
 * LoRA (``dtensor_cfg.lora_cfg``, rank 8; needs peft, else one SKIP row) on the same models, fp32
   and bf16: a GRPO ``train`` step moves only the adapters (base-weight checksum bit-identical,
   optimizer holds only adapter params, finite loss; trainable/total params, tokens/s);
@@ -53,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import _gpu_check_colocated as colocated
 from benchmarks import _gpu_check_fsdp as fsdp
 from benchmarks import _gpu_check_lifecycle as life
 from benchmarks import _gpu_check_lora as lora
@@ -182,6 +186,7 @@ def run_checks(gpu: bool, tmp: Path) -> list[Row]:
     rows += guarded("PolicyWorker", device.type, lambda: policy_rows(gpu, tmp, log))
     rows += guarded("LoRA", device.type, lambda: lora_rows(gpu, device, tmp, log))
     rows += guarded("FSDP2", device.type, lambda: fsdp.fsdp_rows(gpu, tmp, log))
+    rows += guarded("colocated", device.type, lambda: colocated.colocated_rows(gpu, tmp, log))
     log("done")
     return rows
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from typing import Any, Iterable, Sequence
 
 import torch

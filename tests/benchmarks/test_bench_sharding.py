@@ -1,6 +1,7 @@
 """``python -m benchmarks.bench_sharding --quick`` end to end (tiny model, 2 Ray ranks): every layout
 reports real figures, the sharded ones hold about half the state of the replicated one, and the
-first step agrees across layouts. No timing assertions."""
+first step agrees across layouts; the colocated job samples what the separate one samples with one
+model copy fewer in its actors. No timing assertions."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def test_quick_run_returns_real_figures(capsys):
         assert len(r["peak_rss_mb"]) == 2 and min(r["peak_rss_mb"]) > 0
         assert math.isfinite(r["step_s"]) and r["step_s"] > 0
     assert "fsdp2 state per rank <= 0.6 of replicated" in printed
+    coloc = out["colocation"]
+    assert list(coloc) == ["separate", "colocated"]
+    assert coloc["colocated"]["rewards"] == coloc["separate"]["rewards"]  # same samples: same learning
+    assert 0 < coloc["colocated"]["peak_actors_mb"] < coloc["separate"]["peak_actors_mb"]  # one model copy, not two
+    assert "colocated vs separate generation" in printed

@@ -36,6 +36,7 @@ EXPECTED_CHECKS = {
     "FSDP2 train (cpu_offload, 1 rank)",
     "FSDP2 gathered checkpoint -> plain rank",
     "FSDP2 sharded over 2 GPUs (NCCL)",
+    "colocated sample -> train -> sample (one PolicyWorker)",
 }
 
 

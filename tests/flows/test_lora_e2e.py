@@ -17,7 +17,6 @@ from tests.flows.conftest import kill_run_actors, tiny_run_config
 
 def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
-    import torch
     from flows.grpo import grpo
 
     with open("configs/grpo_tiny_lora.yaml", encoding="utf-8") as fh:

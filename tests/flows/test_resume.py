@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from tests.flows.conftest import E2E_RUN_ID, REPO, kill_run_actors, tiny_run_config

@@ -24,7 +24,6 @@ import sys
 from urllib.parse import urlparse
 
 import psutil
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,6 @@ numbers of steps. ``score`` is the reward head of a sequence-classification poli
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
