@@ -8,47 +8,21 @@ trained weights, again equal to a worker refitted over the packed broadcast.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 
 from nrl_tasks.models.generation.colocated import ColocatedGeneration
-from nrl_tasks.models.generation.hf_generation import HfGeneration
-from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
+from nrl_tasks.models.generation.interfaces import StaleWeightsError
 
 from ._tiny_lm import encode_batch
-from .test_policy_refit import PROMPTS, _train_batch
+from .test_policy_refit import PROMPTS, _train_batch, policy_and_generation
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def policy_and_gen(ray_session, tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
-    from nrl_tasks.models.policy import PolicyConfig
-    from nrl_tasks.models.policy.lm_policy import Policy
-
-    tag = uuid.uuid4().hex[:8]
-    namespace = f"nrl-colo-{tag}"
-    gen_cfg = GenerationConfig(model_name=tiny_model_dir, max_new_tokens=8, temperature=0.8, num_workers=1,
-                               num_cpus_per_worker=0.5, refit_timeout_s=60, stop_strings=["!"])
-    pcfg = PolicyConfig(
-        model_name=tiny_model_dir, train_global_batch_size=4, train_micro_batch_size=2,
-        max_total_sequence_length=64, generation=gen_cfg, optimizer={"kwargs": {"lr": 1e-2}},
-    )
-    policy_cluster = RayVirtualCluster([1], name=f"pol-{tag}", num_cpus_per_bundle=1)
-    gen_cluster = RayVirtualCluster([1], name=f"gen-{tag}", num_cpus_per_bundle=0.5)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    policy = Policy(policy_cluster, pcfg, tokenizer, namespace=namespace, init_reference_model=False)
-    gen = HfGeneration(gen_cluster, gen_cfg, namespace=namespace)
-    yield policy, gen, tokenizer
-    gen.shutdown()
-    policy.shutdown()
-    gen_cluster.shutdown()
-    policy_cluster.shutdown()
+    yield from policy_and_generation(tiny_model_dir, "colo", stop_strings=["!"])
 
 
 def _prompts(tokenizer):

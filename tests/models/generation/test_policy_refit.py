@@ -22,8 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["What is 3 + 4?", "Hello!", "The answer is", "One, two, three"]
 
 
-@pytest.fixture(scope="module")
-def policy_and_gen(ray_session, tiny_model_dir):
+def policy_and_generation(tiny_model_dir, name: str, **generation):
+    """A one-rank ``Policy`` (lr 1e-2, no reference model) and a one-worker ``HfGeneration`` of the
+    tiny model in a fresh namespace (``generation``: config overrides); yields ``(policy, gen,
+    tokenizer)`` and removes everything after."""
     from transformers import AutoTokenizer
 
     from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
@@ -31,9 +33,9 @@ def policy_and_gen(ray_session, tiny_model_dir):
     from nrl_tasks.models.policy.lm_policy import Policy
 
     tag = uuid.uuid4().hex[:8]
-    namespace = f"nrl-refit-{tag}"
-    gen_cfg = GenerationConfig(model_name=tiny_model_dir, max_new_tokens=8, temperature=0.8, num_workers=1,
-                               num_cpus_per_worker=0.5, refit_timeout_s=60)
+    namespace = f"nrl-{name}-{tag}"
+    gen_cfg = GenerationConfig(**{"model_name": tiny_model_dir, "max_new_tokens": 8, "temperature": 0.8, "num_workers": 1,
+                                  "num_cpus_per_worker": 0.5, "refit_timeout_s": 60, **generation})
     pcfg = PolicyConfig(
         model_name=tiny_model_dir, train_global_batch_size=4, train_micro_batch_size=2,
         max_total_sequence_length=64, generation=gen_cfg, optimizer={"kwargs": {"lr": 1e-2}},
@@ -48,6 +50,11 @@ def policy_and_gen(ray_session, tiny_model_dir):
     policy.shutdown()
     gen_cluster.shutdown()
     policy_cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_and_gen(ray_session, tiny_model_dir):
+    yield from policy_and_generation(tiny_model_dir, "refit")
 
 
 def _prompts(tokenizer):
