@@ -12,7 +12,8 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_quick_run_returns_real_figures(capsys):
+def test_quick_run_returns_real_figures(capsys, prefect_harness):
+    # the colocation part runs two GRPO flows: on the session's Prefect test server, not an ephemeral one
     from benchmarks.bench_sharding import main
 
     out = main(["--quick", "--repeats", "1"])
