@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Fast suite (CI's gate, < 15 min on 2 cores). `make test-slow` runs the long fault, scale-out and
+# Fast suite (CI's gate, ~16 min on 2 cores). `make test-slow` runs the long fault, scale-out and
 # soak suites (marked `slow`); `make test-all` runs both.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
