@@ -52,11 +52,11 @@ class TreeMemory:
         for proc in [me, *me.children(recursive=True)]:
             try:
                 pss = proc.memory_full_info().pss / 1e6
-                name = " ".join(proc.cmdline()[:1])
+                argv = proc.cmdline()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             total += pss
-            if name.startswith("ray::"):
+            if argv and argv[0].startswith("ray::"):
                 actors += pss
         return total, actors
 

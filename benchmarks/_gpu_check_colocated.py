@@ -22,11 +22,12 @@ from benchmarks import _gpu_check_policy as pol
 from benchmarks._gpu_check_report import Row, verdict
 
 
-def _lp_gap(worker: Any, out: Any, mask: torch.Tensor) -> tuple[float, torch.Tensor]:
+def _lp_gap(worker: Any, out: Any, mask: torch.Tensor) -> float:
+    """Largest gap between the sampler's logprobs of ``out`` and the worker's ``get_logprobs`` of them."""
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
     lp = worker.get_logprobs(BatchedDataDict({"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}))
-    return pol.max_diff(out["logprobs"], lp["logprobs"], mask), lp["logprobs"]
+    return pol.max_diff(out["logprobs"], lp["logprobs"], mask)
 
 
 def _separate_copy_mb(case: pol.ModelCase, precision: str) -> float:
@@ -62,11 +63,11 @@ def colocated_rows(gpu: bool, tmp: Path, log: Any) -> list[Row]:
         with pol.policy_worker(pol.policy_config(case, precision, tmp / "profiles")) as worker:
             first = worker.generate(data)
             first_mask = pol.generated_mask(first, data["input_lengths"])
-            gap_before, _ = _lp_gap(worker, first, first_mask)
+            gap_before = _lp_gap(worker, first, first_mask)
             worker.train(batch, pol.ClippedPGLossFn(pol.GRPO_LOSS))
-            moved, _ = _lp_gap(worker, first, first_mask)  # the old samples under the trained weights
+            moved = _lp_gap(worker, first, first_mask)  # the old samples under the trained weights
             second = worker.generate(data)
-            gap_after, _ = _lp_gap(worker, second, pol.generated_mask(second, data["input_lengths"]))
+            gap_after = _lp_gap(worker, second, pol.generated_mask(second, data["input_lengths"]))
             version = worker.weights_version
             peak_mb = torch.cuda.max_memory_allocated() / 1e6 if gpu else 0.0
             state_mb = worker.state_mb()

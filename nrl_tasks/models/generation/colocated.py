@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from nrl_tasks.models.generation.interfaces import GenerationInterface, StaleWeightsError
+from nrl_tasks.models.generation.interfaces import GenerationInterface, StaleWeightsError, require_prompts
 
 __all__ = ["ColocatedGeneration", "SamplingPolicy"]
 
@@ -74,11 +74,7 @@ class ColocatedGeneration(GenerationInterface):
     # ---------------------------------------------------------------- generate
     def generate(self, data: Any, greedy: bool = False, *, weights_version: int | None = None) -> Any:
         """Sample on the policy's workers; ``StaleWeightsError`` unless they serve ``weights_version``."""
-        for key in ("input_ids", "input_lengths"):
-            if key not in data:
-                raise ValueError(f"generate: data is missing key {key!r}")
-        if int(data["input_ids"].shape[0]) == 0:
-            raise ValueError("generate: empty batch")
+        require_prompts(data)
         self._check_version(weights_version)
         return self.policy.generate(data, greedy=greedy)
 

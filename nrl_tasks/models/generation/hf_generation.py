@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.models.generation.hf_worker import HfGenerationWorker
-from nrl_tasks.models.generation.interfaces import GenerationConfig, GenerationInterface
+from nrl_tasks.models.generation.interfaces import GenerationConfig, GenerationInterface, require_prompts
 
 __all__ = ["HfGeneration", "RayGenerationGroup", "concat_generation_outputs", "contiguous_bounds"]
 
@@ -179,13 +179,7 @@ class RayGenerationGroup(GenerationInterface):
         """
         from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
-        for key in ("input_ids", "input_lengths"):
-            if key not in data:
-                raise ValueError(f"generate: data is missing key {key!r}")
-        input_ids = data["input_ids"]
-        batch = int(input_ids.shape[0])
-        if batch == 0:
-            raise ValueError("generate: empty batch")
+        batch = require_prompts(data)
         stop_strings = data["stop_strings"] if "stop_strings" in data else None
         refs = []
         for rank, (start, end) in enumerate(contiguous_bounds(batch, self.world_size)):

@@ -147,6 +147,18 @@ class GenerationConfig(BaseModel):
         return self
 
 
+def require_prompts(data: Any) -> int:
+    """The batch size of a :class:`GenerationDatumSpec` batch; ``ValueError`` when it lacks
+    ``input_ids``/``input_lengths`` or is empty (what every backend's ``generate`` checks first)."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise ValueError(f"generate: data is missing key {key!r}")
+    batch = int(data["input_ids"].shape[0])
+    if batch == 0:
+        raise ValueError("generate: empty batch")
+    return batch
+
+
 class GenerationInterface(ABC):
     """What the stages call on a generation backend (a group of workers).
 
