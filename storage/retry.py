@@ -5,8 +5,8 @@ dropping connections must not end a run. Every filesystem call the storage helpe
 remote filesystem goes through :func:`call_with_retry` (see ``storage.fs.resolve``): a call that
 fails with a *transient* error (connection refused/reset/closed, timeouts, HTTP 5xx/throttling)
 is repeated after ``initial_delay_s``, then twice that, ... capped at ``max_delay_s``, up to
-``attempts`` calls in all; then :class:`StorageUnavailableError` names the operation, the path,
-the attempts and the last error. Anything else (missing file, permission denied, bad input)
+``attempts`` calls in all (tenacity's ``Retrying``); then :class:`StorageUnavailableError` names
+the operation, the path, the attempts and the last error. Anything else (missing file, permission denied, bad input)
 raises at once.
 
 Every call retried this way is idempotent: reads, listings, whole-object PUTs of the same bytes
@@ -16,7 +16,7 @@ files are never retried (a disk error is not transient).
 
 Settings, in increasing precedence: the defaults of :class:`RetryPolicy`; the environment
 (``NRL_STORAGE_RETRY_ATTEMPTS``, ``NRL_STORAGE_RETRY_INITIAL_S``, ``NRL_STORAGE_RETRY_MAX_S``);
-:func:`set_retry_policy` (process-wide, e.g. from the run config's ``storage.retry``) or the
+:func:`set_retry_policy` (process-wide, every thread, e.g. from the run config's ``storage.retry``) or the
 :func:`retry_policy` context manager. Botocore's own retries are reduced to a single attempt by
 ``storage.fs.s3_options`` (unless configured explicitly) so that this policy alone decides how
 long an outage is waited out.
@@ -30,9 +30,10 @@ import logging
 import os
 import random
 import threading
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 __all__ = [
     "RetryPolicy",
@@ -98,8 +99,30 @@ class RetryPolicy:
         return sum(self.delays())
 
 
-_lock = threading.Lock()
-_explicit: Optional[RetryPolicy] = None
+class _PolicyHolder:
+    """The explicitly set policy, shared by every thread of the process.
+
+    Not a ``ContextVar``: the policy a flow sets (``with retry_policy(cfg.storage.retry.policy())``
+    in ``flows.grpo``) must reach the storage calls made from threads that do not inherit the
+    flow thread's context: the parallel shard PUTs of ``storage.commit`` (a ``ThreadPoolExecutor``),
+    the lease heartbeat, the checkpoint holds and refit threads of ``nrl_tasks.stages``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._policy: Optional[RetryPolicy] = None
+
+    def get(self) -> Optional[RetryPolicy]:
+        with self._lock:
+            return self._policy
+
+    def swap(self, policy: Optional[RetryPolicy]) -> Optional[RetryPolicy]:
+        with self._lock:
+            old, self._policy = self._policy, policy
+        return old
+
+
+_explicit = _PolicyHolder()
 
 
 def _env_policy() -> RetryPolicy:
@@ -121,19 +144,15 @@ def _env_policy() -> RetryPolicy:
 
 def get_retry_policy() -> RetryPolicy:
     """The policy in force: set explicitly, else from the environment, else the defaults."""
-    with _lock:
-        explicit = _explicit
+    explicit = _explicit.get()
     return explicit if explicit is not None else _env_policy()
 
 
 def set_retry_policy(policy: Optional[RetryPolicy]) -> Optional[RetryPolicy]:
     """Set the process-wide policy (``None``: back to environment/defaults); returns the old one."""
-    global _explicit
     if policy is not None and not isinstance(policy, RetryPolicy):
         raise TypeError(f"expected a RetryPolicy or None, got {type(policy).__name__}")
-    with _lock:
-        old, _explicit = _explicit, policy
-    return old
+    return _explicit.swap(policy)
 
 
 @contextlib.contextmanager
@@ -253,6 +272,15 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def _backoff(policy: RetryPolicy) -> Callable[[RetryCallState], float]:
+    """Tenacity's exponential wait for ``policy`` (the delays of :meth:`RetryPolicy.delays`), each
+    spread by up to ``jitter`` either way."""
+    nominal = wait_exponential(multiplier=policy.initial_delay_s, exp_base=policy.multiplier, max=policy.max_delay_s)
+    if not policy.jitter:
+        return nominal
+    return lambda state: nominal(state) * (1 + random.uniform(-policy.jitter, policy.jitter))
+
+
 def call_with_retry(
     fn: Callable[..., T],
     *args: Any,
@@ -268,28 +296,35 @@ def call_with_retry(
     effect (deletes): return ``None``.
     """
     policy = policy or get_retry_policy()
-    delays = policy.delays()
-    t0 = time.monotonic()
-    for attempt in range(policy.attempts):
-        try:
-            return fn(*args, **kwargs)
-        except FileNotFoundError:
-            if on_retry_missing_ok and attempt > 0:
-                return None  # type: ignore[return-value]
-            raise
-        except Exception as exc:
-            if not is_transient(exc):
+
+    def log_retry(state: RetryCallState) -> None:
+        assert state.outcome is not None and state.next_action is not None
+        logger.warning(
+            "%s failed (%s); retry %d/%d in %.2f s", what, _describe(state.outcome.exception()),
+            state.attempt_number, policy.attempts - 1, state.next_action.sleep,
+        )
+
+    def give_up(state: RetryCallState) -> Any:
+        assert state.outcome is not None
+        exc = state.outcome.exception()
+        raise StorageUnavailableError(
+            f"{what}: storage unavailable after {policy.attempts} attempts over "
+            f"{state.seconds_since_start or 0.0:.1f} s (storage.retry / NRL_STORAGE_RETRY_*): {_describe(exc)}"
+        ) from exc
+
+    retrying = Retrying(
+        stop=stop_after_attempt(policy.attempts),
+        wait=_backoff(policy),
+        retry=retry_if_exception(is_transient),  # anything else is raised at once, as it was
+        before_sleep=log_retry,
+        retry_error_callback=give_up,
+    )
+    for attempt in retrying:
+        with attempt:
+            try:
+                return fn(*args, **kwargs)
+            except FileNotFoundError:
+                if on_retry_missing_ok and attempt.retry_state.attempt_number > 1:
+                    return None  # type: ignore[return-value]
                 raise
-            if attempt >= len(delays):
-                raise StorageUnavailableError(
-                    f"{what}: storage unavailable after {policy.attempts} attempts over "
-                    f"{time.monotonic() - t0:.1f} s (storage.retry / NRL_STORAGE_RETRY_*): {_describe(exc)}"
-                ) from exc
-            delay = delays[attempt]
-            if policy.jitter:
-                delay *= 1 + random.uniform(-policy.jitter, policy.jitter)
-            logger.warning(
-                "%s failed (%s); retry %d/%d in %.2f s", what, _describe(exc), attempt + 1, policy.attempts - 1, delay
-            )
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise AssertionError("unreachable")  # pragma: no cover - tenacity returns, raises or gives up
