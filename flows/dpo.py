@@ -26,26 +26,21 @@ run; resume continues it), retention, validation.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
 from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
-from flows.crash_cleanup import mark_orphans_crashed
 from flows.run_config import new_run_id, resolve_config
 from flows.metrics import read_metrics, upsert_metrics
-from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs
-from flows.run_lease import check_fence, hold_run_lease
+from flows.run_session import RunIntent, RunSession, run_session
 from flows.run_summary import metrics_window
-from flows.run_state import init_run, read_status, write_status
-from flows.runtime import build_run_context, ray_connected, recreate_policy, setup_runtime, shutdown_local_ray
-from nrl_tasks.run_layout import RunLayout, validate_run_id
+from flows.runtime import recreate_policy
+from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 
 __all__ = ["dpo", "dpo_metrics_line", "restore_dpo_run"]
@@ -94,7 +89,7 @@ def restore_dpo_run(run: RunContext, log: Any) -> dict[str, Any]:
     return {"last": last, "restored_from": restored, "replayed": replayed}
 
 
-def _run_steps(run: RunContext, chash: str, lease: Any, log: Any) -> dict[str, Any]:
+def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]:
     from nrl_tasks.stages.checkpoint import checkpoint
     from nrl_tasks.stages.dpo import dpo_train, preference_pairs, reference_logprobs
 
@@ -106,13 +101,13 @@ def _run_steps(run: RunContext, chash: str, lease: Any, log: Any) -> dict[str, A
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
     try:
         for step in range(max(1, last), total + 1):
-            check_fence(lease)
+            session.fence()
             t0, c = time.perf_counter(), quote(run.step(step))
             pairs = preference_pairs(c)
             reference = reference_logprobs(c, pairs)
             trained = dpo_train(c, pairs, reference)
             due = cfg.checkpointing.enabled and (step % period == 0 or step == total)
-            ck = checkpoint(c, trained, chash) if due else None
+            ck = checkpoint(c, trained, session.config_hash) if due else None
             if step > last or step not in have_lines:  # the last trained step's line may be missing
                 row = dpo_metrics_line(step, {"pairs": pairs, "reference": reference, "train": trained}, ck,
                                        time.perf_counter() - t0)
@@ -143,8 +138,6 @@ def dpo(
     """Train with DPO (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
     "last_step", "checkpoints", "final_metrics", "first_step", "restored"}`` (``restored``: where the
     weights came from and the steps replayed)."""
-    from prefect.runtime import flow_run
-
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.preferences import snapshot_preferences
 
@@ -153,42 +146,19 @@ def dpo(
     if cfg.dpo is None:
         raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
     run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
-    layout, opts = RunLayout(cfg.storage.root, run_id), cfg.storage.storage_options or None
-    fid = str(flow_run.id) if flow_run.id else None
-    lease = hold_run_lease(layout, opts, fid, take_over=take_over)
-    own_ray = not ray_connected()
-    keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
-    rt = None
-    try:
-        chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
+    intent = RunIntent(resume=resume, take_over=take_over)
+    with run_session(cfg, run_id, algorithm="dpo", intent=intent, log=log) as session:
+        layout, opts = session.layout, session.storage_options
         pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
-        previous = read_status(layout, opts) or {}
-        if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
-            mark_orphans_crashed(previous.get("flow_run_id"), fid, log)
-        write_status(layout, opts, status="running", flow_run_id=fid, max_steps=cfg.dpo.max_num_steps,
-                     config_hash=chash, error=None, algorithm="dpo")
-        log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri, chash, len(pairs), resume)
-        add_flow_run_tags(fid, [run_tag(run_id)])
-        rt = setup_runtime(cfg, run_id, with_actors=False)
-        if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
-            recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
-        run = build_run_context(cfg, run_id, rt, rt.tokenizer, load_observers(), records={"preferences": pairs})
-        with quiet_lifecycle_logs(cfg.logger.log_level):
-            info = _run_steps(run, chash, lease, log)
-        write_status(layout, opts, status="completed", last_step=cfg.dpo.max_num_steps, restored=info["restored"])
-        rename_flow_run(fid, run_id)
-    except BaseException as exc:
-        try:
-            write_status(layout, opts, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
-        except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
-            log.warning("could not record the run's end in status.json: %s", status_exc)
-        raise
-    finally:
-        if rt is not None and not keep:
-            rt.shutdown()
-        if own_ray and not keep:
-            shutdown_local_ray(run_id)
-        lease.release()
+        with session.running(max_steps=cfg.dpo.max_num_steps):
+            log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri,
+                     session.config_hash, len(pairs), resume)
+            rt = session.start_runtime(with_actors=False)
+            if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
+                recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
+            with quiet_lifecycle_logs(cfg.logger.log_level):
+                info = _run_steps(session.context(records={"preferences": pairs}), session, log)
+            session.finish(restored=info["restored"])
     rows = read_metrics(layout.metrics_uri, opts)
     return {"run_id": run_id, "run_uri": layout.run_uri, "metrics_uri": layout.metrics_uri, "last_step": cfg.dpo.max_num_steps,
             "checkpoints": [u for _, u in list_checkpoints(layout.checkpoints_uri, opts)],

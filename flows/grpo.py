@@ -31,38 +31,29 @@ the metrics-table artifact (newest lines first) and the best and worst rollouts 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 from dataclasses import replace
 
 from prefect import flow, get_run_logger
-from prefect.exceptions import TerminationSignal
 from prefect.utilities.annotations import quote
 
 from flows.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
-from flows.crash_cleanup import mark_orphans_crashed
 from flows.metrics import read_metrics
-from flows.plugins import load_observers
 from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
 from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
-from flows.flow_run_meta import rename_flow_run
 from flows.step import StepPlan, tag_flow_run
 from flows.run_config import new_run_id, resolve_config
-from flows.run_state import init_run, read_status, trained_prefix, write_status
+from flows.run_session import RunIntent, run_session
+from flows.run_state import trained_prefix
 from flows.trackers import open_trackers, publish_tracker_links
 from flows.warm_start import ensure_warm_start, with_warm_start_weights
-from flows.run_lease import check_fence, hold_run_lease
-from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
-from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
-from nrl_tasks.run_layout import RunLayout, validate_run_id
+from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.errors import exception_chain
-from storage import retry_policy
 
 __all__ = ["grpo", "new_run_id", "resolve_config", "run_grpo_steps"]
 
@@ -239,90 +230,35 @@ def grpo(
         recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
         take_over: take the run's lease from a holder that looks live but is gone (its machine died).
     """
-    from prefect.runtime import flow_run
-
+    log = get_run_logger()
     if resume and run_id:
-        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
+        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), log)
     else:
         cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
     if specs and not resume:
         raise ValueError("recompute needs resume=True")
-    layout = RunLayout(cfg.storage.root, run_id)
-    opts = cfg.storage.storage_options or None
     check_reward_fn(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
-    fid = str(flow_run.id) if flow_run.id else None
-    lease = hold_run_lease(layout, opts, fid, take_over=take_over)  # refused at once while another writer lives
-    try:
-        with quiet_lifecycle_logs(cfg.logger.log_level):  # the step line stands out (flows.quiet_logs)
-            cfg = ensure_warm_start(cfg, run_id, get_run_logger())  # warm_start.sft_steps: SFT first (flows.warm_start)
-            return _train(cfg, layout, fid, lease, resume=resume, specs=specs, recompute=recompute)
-    finally:
-        lease.release()
-
-
-def _train(
-    cfg: MasterConfig, layout: RunLayout, fid: str | None, lease: Any, *, resume: bool, specs: Any, recompute: Any
-) -> dict[str, Any]:
-    """The flow's body under the run's lease."""
-    logger = get_run_logger()
-    run_id, opts = layout.run_id, cfg.storage.storage_options or None
-    chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
-    if specs:
-        check_recompute_config(specs, cfg)
-        deleted = apply_recompute(layout, specs, opts)
-        logger.info("recompute %s: deleted %s", recompute, deleted)
-    check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
-    previous = read_status(layout, opts) or {}
-    resuming = resume or bool(previous.get("status"))  # a `prefect flow-run retry` resumes too
-    if previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
-        mark_orphans_crashed(previous.get("flow_run_id"), fid, logger)
-    reaped = reap_local_ray(previous)  # a crashed earlier flow's local Ray
-    if reaped:
-        logger.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
-    reaped = reap_prefect_server(previous)  # and its ephemeral Prefect API server
-    if reaped:
-        logger.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
-    write_status(
-        layout, opts, status="running", flow_run_id=fid, max_steps=cfg.grpo.max_num_steps, config_hash=chash,
-        error=None, flow_process=current_process(), local_ray=None, prefect_server=ephemeral_prefect_servers(),
-    )
-    logger.info("%s run %s at %s (config hash %s)", "resuming" if resuming else "starting", run_id, layout.run_uri, chash)
-    keep = os.environ.get("NRL_KEEP_ACTORS", "0") == "1"
-    own_ray = not ray_connected()  # a local Ray started by this flow is stopped when it ends, failed or not
-
-    def record_ray(rt: Runtime) -> None:
-        if rt.ray_session_dir:
-            write_status(layout, opts, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
-
-    observers = load_observers()
-    rt = None
-    try:
-        tag_flow_run(fid, run_id)
-        with retry_policy(cfg.storage.retry.policy()):
-            rt = setup_runtime(cfg, run_id, on_connect=record_ray)
-            run = build_run_context(cfg, run_id, rt, rt.tokenizer, observers, records=rt.records)
+    intent = RunIntent(resume=resume, take_over=take_over)
+    with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
+        cfg, run_id, algorithm="grpo", intent=intent, log=log,
+        configure=lambda c: ensure_warm_start(c, run_id, log),  # warm_start.sft_steps: SFT first (flows.warm_start)
+    ) as session:
+        cfg, layout, opts = session.cfg, session.layout, session.storage_options
+        if specs:
+            check_recompute_config(specs, cfg)
+            log.info("recompute %s: deleted %s", recompute, apply_recompute(layout, specs, opts))
+        check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
+        with session.running(max_steps=cfg.grpo.max_num_steps):
+            log.info("%s run %s at %s (config hash %s)", "resuming" if session.resuming else "starting", run_id,
+                     layout.run_uri, session.config_hash)
+            rt = session.start_runtime()
             info = run_grpo_steps(
-                run, chash=chash, resume=resume, policy_fresh=not rt.policy_attached,
-                fence=lambda: check_fence(lease),
+                session.context(), chash=session.config_hash, resume=resume, policy_fresh=not rt.policy_attached,
+                fence=session.fence,
             )
-        rows = read_metrics(layout.metrics_uri, opts)
-        write_status(layout, opts, status="completed", last_step=cfg.grpo.max_num_steps)
-        rename_flow_run(fid, run_id)  # a finished run's flow run is named after the run (a resume's too)
-        if not keep:
-            rt.shutdown()  # kill the actors, remove the placement groups
-    except BaseException as exc:
-        # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
-        stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
-        try:  # best effort: on a full disk or a lost bucket the status cannot be written either
-            write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
-        except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
-            logger.warning("could not record the run's end in status.json: %s", status_exc)
-        raise
-    finally:
-        if own_ray and not keep:
-            shutdown_local_ray(run_id)
+    rows = read_metrics(layout.metrics_uri, opts)
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     return {

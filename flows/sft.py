@@ -19,8 +19,8 @@ from prefect.utilities.annotations import quote
 
 from flows.config import MasterConfig
 from flows.run_config import new_run_id, resolve_config
-from flows.runtime import build_run_context, setup_runtime
-from nrl_tasks.run_layout import RunLayout, validate_run_id
+from flows.run_session import RunIntent, run_session
+from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.runner import TASK_DEFAULTS
 
@@ -74,27 +74,28 @@ def sft(
     ``lr`` overrides ``policy.optimizer.kwargs.lr`` for the warm start only."""
     from nrl_tasks.stages.checkpoint import save_checkpoint
 
-    logger = get_run_logger()
+    log = get_run_logger()
     overrides = list(overrides or []) + ([f"policy.optimizer.kwargs.lr={lr}"] if lr is not None else [])
     cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
-    layout = RunLayout(cfg.storage.root, run_id)
-    rt = setup_runtime(cfg, run_id, with_actors=False)
-    rt.start_policy()
-    run = build_run_context(cfg, run_id, rt, rt.tokenizer)
-    losses = []
-    try:
-        seed = cfg.grpo.seed + 1_000_003  # a draw independent of the GRPO run's
-        for step in range(1, num_steps + 1):
-            out = sft_step(quote(run), step, batch_size, seed)
-            losses.append(out["loss"])
-            if step % 10 == 0 or step == num_steps:
-                logger.info("sft step %d/%d loss %.4f", step, num_steps, out["loss"])
-        uri = layout.checkpoint_uri(num_steps)
-        save_checkpoint(
-            rt.policy, uri, {"run_id": run_id, "step": num_steps, "weights_version": rt.policy.weights_version, "kind": "sft"},
-            save_optimizer=False, storage_options=run.storage_options,
-        )
-    finally:
-        rt.shutdown()
+    # no per-step persistence: an SFT started again under the same id (a resumed GRPO flow's warm
+    # start) trains again from its first step, deterministically
+    with run_session(cfg, run_id, algorithm="sft", intent=RunIntent(restartable=True), log=log) as session:
+        with session.running(max_steps=num_steps):
+            rt = session.start_runtime(with_actors=False)
+            rt.start_policy()
+            run = session.context()
+            losses = []
+            seed = cfg.grpo.seed + 1_000_003  # a draw independent of the GRPO run's
+            for step in range(1, num_steps + 1):
+                session.fence()
+                out = sft_step(quote(run), step, batch_size, seed)
+                losses.append(out["loss"])
+                if step % 10 == 0 or step == num_steps:
+                    log.info("sft step %d/%d loss %.4f", step, num_steps, out["loss"])
+            uri = session.layout.checkpoint_uri(num_steps)
+            save_checkpoint(
+                rt.policy, uri, {"run_id": run_id, "step": num_steps, "weights_version": rt.policy.weights_version, "kind": "sft"},
+                save_optimizer=False, storage_options=run.storage_options,
+            )
     return {"run_id": run_id, "checkpoint": uri, "weights": f"{uri}/weights", "losses": losses}

@@ -16,8 +16,9 @@ Idempotent: a committed warm-start checkpoint is reused, so a retried or resumed
 training again; a config whose ``policy.model_name`` already is the run's warm-start weights (the
 saved ``config.yaml`` of a resume) is used as it is.
 
-The SFT starts (and stops) a local Ray of its own when none is connected, so the GRPO run's Ray
-is started in the run's namespace as without a warm start (:mod:`flows.ray_session`).
+The SFT is a run of its own (:mod:`flows.run_session`: its lease refuses a second writer, its
+``status.json`` says how it ended); it starts (and stops) a local Ray of its own when none is
+connected, so the GRPO run's Ray is started in the run's namespace as without a warm start.
 """
 
 from __future__ import annotations
@@ -63,12 +64,10 @@ def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
     if is_checkpoint_committed(ck_uri, opts):
         log.info("warm start: reusing %s", ck_uri)
         return with_warm_start_weights(cfg, run_id)
-    from flows.ray_session import ray_connected, shutdown_local_ray
     from flows.sft import sft
 
     ws = cfg.warm_start
     log.info("warm start: %d SFT steps from %s (run %s)", ws.sft_steps, cfg.policy.model_name, warm_start_run_id(run_id))
-    fresh = not ray_connected()
     # the SFT run's own config has no warm start, and trains full weights: with LoRA on, GRPO then
     # adapts the warm-started model (the adapters' base), as it would adapt any base model
     policy = cfg.policy
@@ -76,13 +75,9 @@ def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
         dt = policy.dtensor_cfg.model_copy(update={"lora_cfg": type(policy.dtensor_cfg.lora_cfg)()})
         policy = policy.model_copy(update={"dtensor_cfg": dt})
     base = cfg.model_copy(update={"warm_start": type(ws)(), "policy": policy})
-    try:
-        out = sft(
-            config=base.model_dump(mode="json"), run_id=warm_start_run_id(run_id), num_steps=ws.sft_steps,
-            batch_size=ws.batch_size, storage=cfg.storage.root, lr=ws.lr,
-        )
-    finally:
-        if fresh:
-            shutdown_local_ray(warm_start_run_id(run_id))
+    out = sft(  # its own run session: lease, status, and a local Ray it starts is stopped at its end
+        config=base.model_dump(mode="json"), run_id=warm_start_run_id(run_id), num_steps=ws.sft_steps,
+        batch_size=ws.batch_size, storage=cfg.storage.root, lr=ws.lr,
+    )
     log.info("warm start: SFT loss %.4f -> %.4f; GRPO starts from %s", out["losses"][0], out["losses"][-1], out["weights"])
     return with_warm_start_weights(cfg, run_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -150,3 +151,51 @@ def test_cli_refuses_a_grpo_config_for_dpo(capsys, tmp_path):
 
     assert main(["dpo", "--config", os.path.join(REPO, "configs", "grpo_tiny.yaml"), "--storage", str(tmp_path)]) == 2
     assert "no `dpo` section" in capsys.readouterr().err
+
+
+def _popen_nrl(args: list[str], api_url: str) -> Any:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PREFECT_API_URL": api_url, "NRL_KEEP_ACTORS": "0"}
+    env.pop("NRL_FAULT_KILL_AT", None)
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_exits_143_interrupted_then_resumes_bit_identically(dpo_run, tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    """The run session's guarantees, for DPO as for GRPO: SIGTERM stops the flow cleanly (exit
+    143, ``status.json`` ``interrupted``, not ``failed``) and ``nrl resume`` ends on the
+    uninterrupted run's weights at every step."""
+    import time
+
+    root = str(tmp_path / "runs")
+    cfg_path = tmp_path / "dpo.yaml"
+    cfg_path.write_text(yaml.safe_dump(_config(tmp_path, tiny_model_dir, root, ray_session)))
+    run_id = "dpo-term"
+    marker = os.path.join(root, run_id, "steps", "step_000004", "pairs", "_manifest.json")
+    proc = _popen_nrl(["dpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness)
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(marker) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]  # still training at step 4
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 143, out[-3000:]
+        assert "stopped by SIGTERM" in out and f"nrl resume {run_id}" in out, out[-3000:]
+        with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
+            status = json.load(fh)
+        assert status["status"] == "interrupted" and status["algorithm"] == "dpo", status
+        kill_run_actors(run_id)
+        p = run_nrl(["resume", run_id, "--storage", root], prefect_harness)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_run_actors(run_id)
+    with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
+        assert json.load(fh)["status"] == "completed"
+    ref = dpo_run["root"]
+    assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]

@@ -23,3 +23,48 @@ def test_sft_batch_masks_the_answer_and_its_eos(tiny_model_dir):
         assert b["input_ids"][row, n - len(ans): n].tolist() == ans
         assert b["token_mask"][row].nonzero().flatten().tolist() == list(range(n - len(ans), n))
     assert torch.equal(b["sample_mask"], torch.ones(2))
+
+
+def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    """The SFT warm start is a run of its own session: while one flow trains it, a second one
+    with the same run id is refused at once, naming the holder, and writes nothing; the holder's
+    ``status.json`` says ``running`` with its own process and ``algorithm: sft``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+    import yaml
+
+    from flows.sft import sft
+    from storage.lease import LeaseHeldError
+    from tests.fixtures.grpo_runs import REPO, kill_run_actors, tiny_run_config
+
+    root = str(tmp_path / "runs")
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, root, ray_session)))
+    run_id = "busy-sft"
+    code = f"from flows.sft import sft; sft(config={str(path)!r}, run_id={run_id!r}, num_steps=100000, batch_size=4)"
+    env = {**os.environ, "PREFECT_API_URL": prefect_harness}
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    status_path = os.path.join(root, run_id, "status.json")
+    try:
+        deadline = time.monotonic() + 180
+        while holder.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(status_path) and json.load(open(status_path, encoding="utf-8")).get("status") == "running":
+                break
+            time.sleep(0.2)
+        assert holder.poll() is None, holder.communicate()[0][-3000:]
+        before = open(status_path, encoding="utf-8").read()
+        with pytest.raises(LeaseHeldError, match=str(holder.pid)):
+            sft(config=str(path), run_id=run_id, num_steps=1, batch_size=4)
+        assert open(status_path, encoding="utf-8").read() == before  # the refused writer wrote nothing
+        status = json.loads(before)
+        assert status["algorithm"] == "sft" and status["flow_process"]["pid"] == holder.pid, status
+    finally:
+        holder.kill()
+        holder.wait()
+        kill_run_actors(run_id)

@@ -1,0 +1,208 @@
+"""One run session: what every run does around its algorithm, written once.
+
+GRPO, DPO and the SFT warm start enter the same session, so each flow body is its algorithm::
+
+    with run_session(cfg, run_id, algorithm="dpo", intent=RunIntent(resume=resume)) as session:
+        pairs = snapshot_preferences(...)            # the algorithm's own checks, nothing written yet
+        with session.running(max_steps=N):          # status "running" ... "completed"
+            rt = session.start_runtime(with_actors=False)
+            run = session.context(rt)
+            ...                                      # the steps, fenced by session.fence()
+
+Entering the session (:func:`run_session`):
+
+1. takes the run's lease (:mod:`flows.run_lease`) before anything is written: a second writer is
+   refused at once, naming the holder;
+2. applies ``configure(cfg)`` under the lease (GRPO's warm start, which may train);
+3. creates the run (``config.yaml``) or checks the config hash of the one it continues
+   (:func:`flows.run_state.init_run`).
+
+:meth:`RunSession.running` then owns the run's life:
+
+4. cleans up what a killed predecessor left: its task runs left Running are marked Crashed, its
+   local Ray and its ephemeral Prefect API server are stopped (:mod:`flows.run_process`);
+5. writes ``status.json`` ``running`` (this flow process, the algorithm, the step budget), and at the
+   end ``completed``, ``interrupted`` (SIGINT, SIGTERM, even when Prefect re-raised them as another
+   error) or ``failed`` with the error; a refusal before this point leaves the status untouched;
+6. applies the config's storage retry policy (``storage.retry``) to everything inside;
+7. on success kills the run's actors; a local Ray this flow started is stopped however the run
+   ends. ``NRL_KEEP_ACTORS=1`` keeps both.
+
+Exit codes (130 for SIGINT, 143 for SIGTERM) are the CLI's (:mod:`flows.cli`), from the same
+signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from prefect.exceptions import TerminationSignal
+
+from flows.config import MasterConfig
+from flows.crash_cleanup import mark_orphans_crashed
+from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
+from flows.plugins import load_observers
+from flows.run_lease import check_fence, hold_run_lease
+from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
+from flows.run_state import init_run, read_status, write_status
+from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
+from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.settings import nrl_settings
+from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.errors import exception_chain
+from storage import fs, retry_policy
+
+__all__ = ["RunIntent", "RunSession", "run_session"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunIntent:
+    """What the user asked of a run.
+
+    ``resume``: continue an existing run (``nrl resume``, ``resume=True``); ``take_over``: take a
+    live-looking lease (its holder's machine died); ``restartable``: a new run whose id may exist
+    already, which is then continued (the SFT warm start, started again by a resumed GRPO flow)."""
+
+    resume: bool = False
+    take_over: bool = False
+    restartable: bool = False
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id) if flow_run.id else None
+
+
+def _keep_actors() -> bool:
+    return nrl_settings().keep_actors
+
+
+@dataclass
+class RunSession:
+    """A run under its lease (see the module docstring); made by :func:`run_session`."""
+
+    cfg: MasterConfig
+    layout: RunLayout
+    algorithm: str
+    flow_run_id: str | None
+    lease: Any
+    config_hash: str
+    previous: dict[str, Any]  # status.json as the previous flow of the run left it ({} for a new run)
+    resume: bool  # the run existed and is continued
+    log: Any
+    runtime: Runtime | None = None
+    end_fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.layout.run_id
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return self.cfg.storage.storage_options or None
+
+    @property
+    def resuming(self) -> bool:
+        """Whether this flow continues a run an earlier flow wrote (also a ``prefect flow-run
+        retry``, which passes no ``resume``)."""
+        return self.resume or bool(self.previous.get("status"))
+
+    def fence(self) -> None:
+        """Raise ``storage.lease.LeaseLostError`` once the lease was taken over (call between steps)."""
+        check_fence(self.lease)
+
+    def start_runtime(self, *, with_actors: bool = True) -> Runtime:
+        """Connect Ray and attach to or create the run's actors (:func:`flows.runtime.setup_runtime`);
+        the session directory of a local Ray it starts goes into ``status.json``."""
+
+        def record_ray(rt: Runtime) -> None:
+            if rt.ray_session_dir:
+                write_status(self.layout, self.storage_options, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
+
+        self.runtime = setup_runtime(self.cfg, self.run_id, with_actors=with_actors, on_connect=record_ray)
+        return self.runtime
+
+    def context(self, records: dict[str, list[dict[str, str]]] | None = None) -> RunContext:
+        """The run's context on the started runtime, with the observer plug-ins (``NRL_PLUGINS``)."""
+        rt = self.runtime
+        if rt is None:
+            raise RuntimeError("start_runtime() comes before context()")
+        return build_run_context(self.cfg, self.run_id, rt, rt.tokenizer, load_observers(),
+                                 records=rt.records if records is None else records)
+
+    def finish(self, **status_fields: Any) -> None:
+        """Fields to record with ``completed`` (e.g. where the weights were restored from)."""
+        self.end_fields.update(status_fields)
+
+    @contextlib.contextmanager
+    def running(self, *, max_steps: int) -> Iterator["RunSession"]:
+        """The run's life from ``running`` to its end state (steps 4-7 of the module docstring)."""
+        layout, opts, log = self.layout, self.storage_options, self.log
+        if self.previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+            mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log)
+        reaped = reap_local_ray(self.previous)
+        if reaped:
+            log.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
+        reaped = reap_prefect_server(self.previous)
+        if reaped:
+            log.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
+        write_status(
+            layout, opts, status="running", algorithm=self.algorithm, flow_run_id=self.flow_run_id, max_steps=max_steps,
+            config_hash=self.config_hash, error=None, flow_process=current_process(), local_ray=None,
+            prefect_server=ephemeral_prefect_servers(),
+        )
+        add_flow_run_tags(self.flow_run_id, [run_tag(self.run_id)])
+        keep = _keep_actors()
+        own_ray = not ray_connected()  # a local Ray started in the session is stopped when it ends
+        try:
+            with retry_policy(self.cfg.storage.retry.policy()):
+                yield self
+            write_status(layout, opts, status="completed", last_step=max_steps, **self.end_fields)
+            rename_flow_run(self.flow_run_id, self.run_id)  # a finished run's flow run is named after the run
+            if self.runtime is not None and not keep:
+                self.runtime.shutdown()  # kill the actors, remove the placement groups
+        except BaseException as exc:
+            # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
+            stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
+            try:  # best effort: on a full disk or a lost bucket the status cannot be written either
+                write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
+                log.warning("could not record the run's end in status.json: %s", status_exc)
+            raise
+        finally:
+            if own_ray and not keep:
+                shutdown_local_ray(self.run_id)
+
+
+@contextlib.contextmanager
+def run_session(
+    cfg: MasterConfig,
+    run_id: str,
+    *,
+    algorithm: str,
+    intent: RunIntent = RunIntent(),
+    configure: Callable[[MasterConfig], MasterConfig] | None = None,
+    log: Any = None,
+) -> Iterator[RunSession]:
+    """Enter run ``run_id`` (steps 1-3 of the module docstring); the lease is released on exit."""
+    layout = RunLayout(cfg.storage.root, run_id)
+    opts = cfg.storage.storage_options or None
+    fid = _flow_run_id()
+    lease = hold_run_lease(layout, opts, fid, take_over=intent.take_over)  # refused at once while another writer lives
+    try:
+        if configure is not None:
+            cfg = configure(cfg)
+        resume = intent.resume or (intent.restartable and fs.exists(layout.config_uri, storage_options=opts))
+        chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
+        yield RunSession(
+            cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
+            previous=read_status(layout, opts) or {}, resume=resume, log=log or logger,
+        )
+    finally:
+        lease.release()
