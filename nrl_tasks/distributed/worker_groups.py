@@ -10,7 +10,7 @@ restarted by Ray would answer calls with none of its state, which is worse than 
 
 Each worker sees the environment variables ``NRL_WORKER_RANK``, ``NRL_WORKER_WORLD_SIZE`` and
 ``NRL_WORKER_GROUP`` (plus ``env_vars``), so an actor class can learn its rank without
-per-rank constructor arguments.
+per-rank constructor arguments (read back with :class:`nrl_tasks.settings.WorkerEnv`).
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def _world_size_of(handle) -> int | None:
     ray = _ray()
 
     def _read(_self):
-        import os as _os
+        from nrl_tasks.settings import WorkerEnv
 
-        return int(_os.environ.get("NRL_WORKER_WORLD_SIZE", "0")) or None
+        return WorkerEnv().world_size or None
 
     for group in (CONTROL_GROUP, None):
         try:

@@ -8,20 +8,20 @@ the happy path of a step.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.stages.resume_plan import ActorHealth
 
 __all__ = ["PROBE_TIMEOUT_S", "generation_responsive", "policy_responsive", "probe_actors", "probe_timeout_s"]
 
 #: How long a live worker may take to answer a trivial call before it counts as stuck (s);
-#: ``NRL_PROBE_TIMEOUT_S`` overrides it.
-PROBE_TIMEOUT_S = 30.0
+#: ``NRL_PROBE_TIMEOUT_S`` overrides it (:class:`nrl_tasks.settings.NrlSettings`).
+PROBE_TIMEOUT_S: float = NrlSettings.model_fields["probe_timeout_s"].default
 
 
 def probe_timeout_s() -> float:
-    return float(os.environ.get("NRL_PROBE_TIMEOUT_S", PROBE_TIMEOUT_S))
+    return nrl_settings().probe_timeout_s
 
 
 def _probe(refs: list[Any], timeout_s: float) -> list[Any] | None:

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from nrl_tasks.settings import nrl_settings
+
 __all__ = [
     "BUFFER_POOL",
     "BroadcastGroup",
@@ -309,7 +311,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def get_node_ip() -> str:
     """Address other nodes reach this one at: ``NRL_NODE_IP`` if set; Ray's node address on a
     multi-node Ray cluster; otherwise ``127.0.0.1`` (everything runs on one machine)."""
-    env = os.environ.get("NRL_NODE_IP")
+    env = nrl_settings().node_ip
     if env:
         return env
     ray = sys.modules.get("ray")
@@ -412,7 +414,7 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer no broadcast touches any more."""
-        if buf.device.type != "cpu" or os.environ.get("NRL_REFIT_CACHE_BUFFERS", "1") == "0":
+        if buf.device.type != "cpu" or not nrl_settings().refit_cache_buffers:
             return
         with self._lock:
             self._free.append(buf)

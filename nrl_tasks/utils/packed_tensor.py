@@ -34,7 +34,6 @@ pooled, reused buffers, for callbacks that copy the tensors out before returning
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.utils.collective import BUFFER_POOL, BroadcastPipeline, group_device
 from nrl_tasks.utils.refit import FlatParamBuckets
 
@@ -62,21 +62,8 @@ __all__ = [
 #: is sent straight from its own storage (no pack copy).
 CPU_DEFAULT_TARGET_BYTES = 4 * 1024 * 1024
 GPU_MAX_TARGET_BYTES = 5 * 1024**3
-DEFAULT_MEMORY_RATIO = 0.02
-DEFAULT_NUM_BUFFERS = 2
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-    return value
+DEFAULT_MEMORY_RATIO: float = NrlSettings.model_fields["refit_buffer_memory_ratio"].default
+DEFAULT_NUM_BUFFERS: int = NrlSettings.model_fields["refit_num_buffers"].default
 
 
 def get_target_packed_tensor_size() -> int:
@@ -86,17 +73,11 @@ def get_target_packed_tensor_size() -> int:
     (default 0.02) of the device's total memory, capped at 5 GiB; otherwise
     :data:`CPU_DEFAULT_TARGET_BYTES` (4 MiB).
     """
-    explicit = _env_int("NRL_REFIT_BUFFER_SIZE_BYTES")
-    if explicit is not None:
-        return explicit
+    settings = nrl_settings()
+    if settings.refit_buffer_size_bytes is not None:
+        return settings.refit_buffer_size_bytes
     if torch.cuda.is_available():
-        raw = os.environ.get("NRL_REFIT_BUFFER_MEMORY_RATIO", str(DEFAULT_MEMORY_RATIO))
-        try:
-            ratio = float(raw)
-        except ValueError:
-            raise ValueError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be a float in (0, 1], got {raw!r}") from None
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"NRL_REFIT_BUFFER_MEMORY_RATIO must be a float in (0, 1], got {raw!r}")
+        ratio = settings.refit_buffer_memory_ratio
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return max(1, min(int(total * ratio), GPU_MAX_TARGET_BYTES))
     return CPU_DEFAULT_TARGET_BYTES
@@ -104,8 +85,7 @@ def get_target_packed_tensor_size() -> int:
 
 def get_num_buffers() -> int:
     """Number of alternating buffers: ``NRL_REFIT_NUM_BUFFERS``, default 2."""
-    value = _env_int("NRL_REFIT_NUM_BUFFERS")
-    return DEFAULT_NUM_BUFFERS if value is None else value
+    return nrl_settings().refit_num_buffers
 
 
 def _resolve(buffer_size_bytes: int | None, num_buffers: int | None) -> tuple[int, int]:

@@ -26,6 +26,7 @@ import torch
 
 from nrl_tasks.models.generation.hf_sampling import merge_stop_strings, resolve_pad_and_stop_ids, sample_rows
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
+from nrl_tasks.settings import WorkerEnv
 
 __all__ = ["GenerationWorkerBase", "HfGenerationWorker", "hf_refit_named_tensors", "merge_stop_strings"]
 
@@ -52,7 +53,7 @@ class GenerationWorkerBase:
 
     def __init__(self, config: dict[str, Any] | GenerationConfig) -> None:
         self.cfg = config if isinstance(config, GenerationConfig) else GenerationConfig.model_validate(config)
-        self.rank = int(os.environ.get("NRL_WORKER_RANK", "0"))
+        self.rank = WorkerEnv().rank
         self._weights_version: int = 0
         self._stale = False
         self._refit_info: Any = None

@@ -69,6 +69,7 @@ from nrl_tasks.models.policy.workers.parallel import (
 from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
 from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
 from nrl_tasks.models.policy.workers.sampling_mixin import SamplingMixin
+from nrl_tasks.settings import WorkerEnv
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ __all__ = ["PolicyWorker"]
 
 
 def _rank_from_env() -> tuple[int, int]:
-    return int(os.environ.get("NRL_WORKER_RANK", "0")), int(os.environ.get("NRL_WORKER_WORLD_SIZE", "1"))
+    env = WorkerEnv()
+    return env.rank, 1 if env.world_size is None else env.world_size
 
 
 class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
