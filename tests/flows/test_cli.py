@@ -1,5 +1,6 @@
 """CLI: a bad config or a bad storage URI gives one clear error (exit 2) before Ray or a flow
-run starts; ``nrl runs`` lists runs with their last step and status."""
+run starts; ``nrl runs`` lists runs with their last step and status; the command line itself
+(help from the docstrings, ``key=value`` overrides among the options, usage errors)."""
 
 from __future__ import annotations
 
@@ -125,16 +126,78 @@ def test_runs_works_on_a_root_it_cannot_write(e2e_run, capsys, monkeypatch):
     assert E2E_RUN_ID in capsys.readouterr().out
 
 
+def test_help_lists_the_commands_and_their_options(capsys):
+    from flows.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("grpo", "dpo", "resume", "eval", "runs"):
+        assert f" {command} " in out, out
+    assert main(["grpo", "--help"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("--config", "--storage", "--run-id", "KEY=VALUE", "YAML config", "Config sections", "loss_fn"):
+        assert needle in out, out
+    assert main(["resume", "-h"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("RUN_ID", "--recompute", "--take-over", "--storage"):
+        assert needle in out, out
+    assert "--no-take-over" not in out and "--empty-recompute" not in out, out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["grpo", "a=1", "--config", "c.yaml", "b=2", "--storage", "s", "c=3", "--run-id", "r", "d=4"],
+     ("grpo", ["a=1", "b=2", "c=3", "d=4"], {"config": "c.yaml", "storage": "s", "run_id": "r"})),
+    (["dpo", "--config=c.yaml", "x.y=-1e-5"], ("dpo", ["x.y=-1e-5"], {"config": "c.yaml", "storage": None, "run_id": None})),
+])
+def test_overrides_go_anywhere_among_the_options(argv, expected, monkeypatch):
+    import flows.cli
+
+    seen = []
+    monkeypatch.setattr(flows.cli, "_start", lambda kind, config, overrides, storage, run_id: seen.append(
+        (kind, overrides, {"config": config, "storage": storage, "run_id": run_id})) or 0)
+    assert flows.cli.main(argv) == 0
+    assert seen == [expected]
+
+
+def test_resume_takes_overrides_and_repeated_recompute_among_its_options(tmp_path, capsys):
+    """Parsed as before (``--recompute`` takes one value each time): the run is then not found."""
+    from flows.cli import main
+
+    argv = ["resume", "r", "a=1", "--storage", str(tmp_path), "--recompute", "generate@3", "b=2", "--take-over",
+            "--recompute", "train@4", "c=3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no run 'r'" in err and err.count("nrl: error:") == 1, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["grpo", "--config", "c.yaml", "--bogus"], "Unknown option: --bogus"),
+    (["resume", "r", "--no-take-over"], "--no-take-over"),
+    (["runs", "key=value"], "unrecognized arguments: key=value"),
+    (["eval", "r", "--num-samples", "x"], "--num-samples"),
+    (["grpo", "a=1"], "--config"),
+    (["bogus"], "bogus"),
+    ([], "a command is required"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
+    from flows.cli import main
+
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and captured.err.count("nrl: error:") == 1, captured.err
+    assert captured.out == ""
+
+
 @pytest.mark.parametrize("raised, code", [(SystemExit(0), 1), (SystemExit(3), 1), (KeyboardInterrupt(), 130), (RuntimeError("x"), 1)])
 def test_a_run_ended_by_anything_but_its_return_exits_non_zero(raised, code, tmp_path, capsys):
     """``SystemExit(0)`` from user code (a reward plug-in calling ``sys.exit``) is a failed run, not success."""
-    from flows.cli import _run_flow
+    from flows.cli_run import run_flow
     from nrl_tasks.run_layout import RunLayout
 
     def call():
         raise raised
 
-    assert _run_flow(call, RunLayout(str(tmp_path), "r")) == code
+    assert run_flow(call, RunLayout(str(tmp_path), "r")) == code
     err = capsys.readouterr().err
     assert "nrl resume r" in err, err
     assert (type(raised).__name__ in err) if code == 1 else ("interrupted" in err), err

@@ -1,0 +1,96 @@
+"""How ``nrl`` runs a flow: the exit status of a run that does not finish (an exception, or
+``SystemExit`` / ``KeyboardInterrupt`` raised by user code: 1; SIGINT: 130; SIGTERM: 143, both
+stopping the flow cleanly), the resume hint, and the summary of one that did."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Self
+
+__all__ = ["EXIT_FAILED", "EXIT_SIGINT", "EXIT_SIGTERM", "print_summary", "run_flow"]
+
+EXIT_FAILED = 1
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM while a run's flow runs: each stops the flow like Ctrl-C (the flow
+    unwinds: actors, local Ray), and which one came decides the exit status, whatever exception
+    Prefect turns it into on the way out (a signal landing inside Prefect's task set-up comes out
+    as another error chained to it). A second signal during that clean-up ends the process."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        from prefect.exceptions import TerminationSignal
+
+        self.received = signum
+        signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise TerminationSignal(signum)
+
+    def __enter__(self) -> Self:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers (the caller's then apply)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
+    """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
+    ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
+    SIGTERM) is printed with the resume hint (or, for a refused run lease, the take-over advice):
+    130 (SIGINT), 143 (SIGTERM), else 1."""
+    hint = f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`"
+    t0 = time.perf_counter()
+    with _StopSignals() as signals:
+        try:
+            result = call()
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
+            from flows.run_lease import lease_refusal
+
+            if signals.received == signal.SIGTERM:
+                print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
+            elif signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
+                print(f"nrl: run {layout.run_id} interrupted", file=sys.stderr)
+            else:
+                print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            held = lease_refusal(exc)
+            print(f"nrl: {held}" if held is not None else hint, file=sys.stderr)
+            if signals.received == signal.SIGTERM:
+                return EXIT_SIGTERM
+            if signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
+                return EXIT_SIGINT
+            return EXIT_FAILED
+    print_summary(result, time.perf_counter() - t0)
+    return 0
+
+
+def print_summary(result: dict, seconds: float) -> None:
+    """The finished run: steps, last metrics, where its metrics, steps and checkpoints are."""
+    fm = result.get("final_metrics") or {}
+    print(f"nrl: run {result['run_id']} finished {result['last_step']} steps in {seconds:.0f} s", flush=True)
+    if fm and "rewards_margin_mean" in fm:  # a DPO run
+        print(f"nrl:   last step loss {fm.get('loss')}  accuracy {fm.get('accuracy')}  margin {fm.get('rewards_margin_mean')}")
+    elif fm:
+        print(f"nrl:   last step reward_mean {fm.get('reward_mean')}  loss {fm.get('loss')}")
+    print(f"nrl:   metrics      {result['metrics_uri']}")
+    print(f"nrl:   steps        {result['run_uri']}/steps/")
+    for c in result.get("checkpoints", [])[-3:]:
+        print(f"nrl:   checkpoint   {c}")
+    print("nrl:   artifacts    Prefect UI (table/progress/markdown artifacts keyed "
+          f"nrl-{result['run_id'].lower()}-*; `prefect artifact ls`)")
