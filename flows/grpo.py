@@ -230,9 +230,8 @@ def grpo(
         recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
         take_over: take the run's lease from a holder that looks live but is gone (its machine died).
     """
-    log = get_run_logger()
     if resume and run_id:
-        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), log)
+        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
     else:
         cfg = resolve_config(config, overrides, storage)
     run_id = validate_run_id(run_id) if run_id else new_run_id()
@@ -240,6 +239,7 @@ def grpo(
     if specs and not resume:
         raise ValueError("recompute needs resume=True")
     check_reward_fn(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
+    log = get_run_logger()
     intent = RunIntent(resume=resume, take_over=take_over)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
         cfg, run_id, algorithm="grpo", intent=intent, log=log,
