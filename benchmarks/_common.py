@@ -37,7 +37,7 @@ def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def smollm2_available() -> bool:
     """Whether ``builtin:smollm2`` resolves (the offline SmolLM2-135M package, ``make smollm2``)."""
-    from flows.models import resolve_model_path
+    from nrl_tasks.models.builtin import resolve_model_path
 
     try:
         resolve_model_path("builtin:smollm2")  # converted once from the offline package

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         model, label = build_tiny_model(f"{tmp}/tiny", seed=0), "tiny model"
     elif smollm2_available():
-        from flows.models import resolve_model_path
+        from nrl_tasks.models.builtin import resolve_model_path
 
         model, label = resolve_model_path("builtin:smollm2"), "SmolLM2-135M-Instruct"
     else:

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from nrl_tasks.config.errors import ConfigError
+
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_YAML_DEPTH",
@@ -45,10 +47,6 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster, nesting capped at 1000
 
 
-class ConfigError(ValueError):
-    """A configuration problem (unknown key, wrong type, impossible combination, missing file)."""
-
-
 class YAMLSyntaxError(ConfigError):
     """The text is not YAML at all (the only failure an override value falls back to a string for)."""
 
@@ -64,7 +62,7 @@ def parse_yaml(text: str, source: str, *, kind: str = "config file") -> Any:
     >>> parse_yaml("grpo: {seed: 1}\\ngrpo: {seed: 2}", "c.yaml")
     Traceback (most recent call last):
     ...
-    flows.config_io.ConfigError: config file 'c.yaml', line 2: duplicate key grpo (first at line 1): a repeated key silently replaces the earlier one; keep one
+    nrl_tasks.config.errors.ConfigError: config file 'c.yaml', line 2: duplicate key grpo (first at line 1): a repeated key silently replaces the earlier one; keep one
     """
     what = f"{kind} {source!r}"
     size = len(text.encode("utf-8", "surrogatepass"))

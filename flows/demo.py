@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flows.cli import main as nrl
     from flows.config import load_config
-    from flows.models import resolve_model_path
+    from nrl_tasks.models.builtin import resolve_model_path
 
     if args.smollm2:
         config = SMOLLM2_CONFIG if args.config == DEMO_CONFIG else args.config

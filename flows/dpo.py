@@ -1,6 +1,6 @@
 """``nrl dpo``: Direct Preference Optimization on preference pairs, as a Prefect flow.
 
-A config with a ``dpo`` section (:mod:`flows.config_dpo`) is a DPO run. Each step::
+A config with a ``dpo`` section (:mod:`nrl_tasks.config.dpo`) is a DPO run. Each step::
 
     pairs = preference_pairs(ctx)                  # nrl_tasks.stages.dpo
     reference = reference_logprobs(ctx, pairs)

@@ -143,7 +143,7 @@ class Runtime:
             return
         from nrl_tasks.models.policy.lm_policy import Policy
 
-        from flows.models import resolve_model_path
+        from nrl_tasks.models.builtin import resolve_model_path
 
         data = self.cfg.policy_config().model_dump(mode="json")
         data.update(

@@ -198,7 +198,7 @@ def _config_dict(cfg: Any, config_yaml: str | None) -> dict[str, Any]:
 
         data = yaml.safe_load(config_yaml)
     if not isinstance(data, dict):
-        from flows.config_secrets import redact
+        from nrl_tasks.config.credentials import redact
 
         data = cfg.model_dump(mode="json")
         if "storage" in data:

@@ -27,19 +27,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import Tensor
 
 from nrl_tasks.algorithms.loss_functions import LossType, _masked_inputs
 from nrl_tasks.algorithms.utils import masked_mean
+from nrl_tasks.config.base import Section
 
 __all__ = ["DPOLossConfig", "DPOLossFn"]
 
 
-class DPOLossConfig(BaseModel):
+class DPOLossConfig(Section):
     """NeMo-RL's ``dpo`` loss keys (same defaults)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     reference_policy_kl_penalty: float = Field(0.05, gt=0.0, description="beta")
     preference_loss_weight: float = Field(1.0, ge=0.0)

@@ -35,12 +35,13 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from nrl_tasks.algorithms.importance_sampling import actor_importance_weights
 from nrl_tasks.algorithms.loss_metrics import mismatch_metrics, ratio_extrema
 from nrl_tasks.algorithms.utils import calculate_kl, masked_mean
+from nrl_tasks.config.base import Section
 
 __all__ = [
     "ClippedPGLossConfig",
@@ -73,7 +74,7 @@ class LossFunction(Protocol):
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
-class ClippedPGLossConfig(BaseModel):
+class ClippedPGLossConfig(Section):
     """NeMo-RL's ``loss_fn`` section for GRPO/PPO (same keys and defaults); the variants:
 
     - REINFORCE / RLOO: ``disable_ppo_ratio`` (the ratio is log pi itself, no clipping);
@@ -91,8 +92,6 @@ class ClippedPGLossConfig(BaseModel):
       valid tokens, so long and short responses weigh alike per token; with
       ``grpo.adv_estimator.name: dr_grpo`` (no std division) it is Dr. GRPO.
     """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     reference_policy_kl_penalty: float = Field(0.01, ge=0.0, description="beta; 0 disables the KL term")
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"

@@ -13,15 +13,15 @@ scaled by ``overlong_buffer_penalty``. Only valid rewards are shaped (an invalid
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor
+
+from nrl_tasks.config.base import Section
 
 __all__ = ["RewardShapingConfig", "overlong_penalty"]
 
 
-class RewardShapingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class RewardShapingConfig(Section):
     enabled: bool = False
     overlong_buffer_length: int = Field(128, ge=1, description="L_cache: tokens before L_max where the penalty ramps up")
     overlong_buffer_penalty: float = Field(1.0, ge=0.0, description="the penalty at L_max")

@@ -16,7 +16,7 @@ VAPO's positive-example NLL (``loss_fn.positive_example_nll_weight > 0``), ``rew
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,11 @@ from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.train import finite_or_none
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+    from nrl_tasks.config.grpo import GRPOConfig
+    from nrl_tasks.config.master import MasterConfig
+
 __all__ = ["advantages", "compute_advantages", "needs_logprobs"]
 
 
@@ -35,9 +40,9 @@ def compute_advantages(
     group_id: torch.Tensor,
     rewards: torch.Tensor,
     valid: torch.Tensor,
-    grpo_cfg: Any,
+    grpo_cfg: GRPOConfig,
     *,
-    loss_cfg: Any = None,
+    loss_cfg: ClippedPGLossConfig | None = None,
     token_mask: torch.Tensor | None = None,
     logprobs: Any = None,
 ) -> BatchedDataDict:
@@ -76,7 +81,7 @@ def compute_advantages(
     return BatchedDataDict(out)
 
 
-def needs_logprobs(cfg: Any) -> bool:
+def needs_logprobs(cfg: MasterConfig) -> bool:
     """Whether the run's ``advantages`` stage reads the step's ``logprobs`` (REINFORCE++ with the KL in the reward)."""
     return bool(cfg.loss_fn.use_kl_in_reward)
 

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collections.abc import Callable
 
@@ -52,6 +52,9 @@ from nrl_tasks.stages.checkpoint_files import (
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
 
 __all__ = [
     "COMMIT_FILE",
@@ -127,7 +130,7 @@ def _worker_storage_options(storage_options: dict[str, Any] | None) -> dict[str,
 
 
 def _save_to_s3(
-    policy: Any, uri: str, info: dict[str, Any], *, save_optimizer: bool, storage_options: dict[str, Any] | None,
+    policy: PolicyInterface, uri: str, info: dict[str, Any], *, save_optimizer: bool, storage_options: dict[str, Any] | None,
     on_written: Callable[[], None] | None, t0: float,
 ) -> None:
     fs = _fs()
@@ -155,7 +158,7 @@ def _commit_body(info: dict[str, Any], manifest: dict[str, Any], save_optimizer:
 
 
 def save_checkpoint(
-    policy: Any,
+    policy: PolicyInterface,
     uri: str,
     info: dict[str, Any],
     *,
@@ -211,7 +214,7 @@ def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None
 
 
 def restore_checkpoint(
-    policy: Any, uri: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True
+    policy: PolicyInterface, uri: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True
 ) -> dict[str, Any]:
     """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy
     (from S3: every worker downloads it on its own node; nothing is staged in this process).

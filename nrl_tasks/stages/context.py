@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from nrl_tasks.run_layout import RunLayout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
     from nrl_tasks.models.generation.interfaces import GenerationInterface
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
@@ -67,9 +68,10 @@ class RunActors(Protocol):
     """The run's actor groups and how to (re)create them (implemented in :mod:`flows.runtime`)."""
 
     namespace: str
-    policy: PolicyInterface | Any
-    generation: GenerationInterface | Any
-    reward_model: Any
+    #: the handles (``None`` until started; a DPO run has no generation, most runs no reward model)
+    policy: PolicyInterface
+    generation: GenerationInterface
+    reward_model: PolicyInterface | None
 
     def start_policy(self, *, fresh: bool = False) -> bool:
         """Attach to the run's policy actors or create them (``fresh``: always create). True if attached."""
@@ -84,7 +86,7 @@ class RunContext:
 
     run_id: str
     layout: RunLayout
-    cfg: Any  # flows.config.MasterConfig: the validated run config
+    cfg: MasterConfig  # the validated run config
     tokenizer: Any
     actors: RunActors
     observers: Observers = field(default_factory=Observers)
@@ -114,15 +116,15 @@ class RunContext:
         return bool(self.cfg.storage.fsync)
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> PolicyInterface:
         return self.actors.policy
 
     @property
-    def generation(self) -> Any:
+    def generation(self) -> GenerationInterface:
         return self.actors.generation
 
     @property
-    def reward_model(self) -> Any:
+    def reward_model(self) -> PolicyInterface | None:
         return self.actors.reward_model
 
     def step(self, step: int) -> StepContext:
@@ -187,7 +189,7 @@ class StepContext:
         return self.run.run_id
 
     @property
-    def cfg(self) -> Any:
+    def cfg(self) -> MasterConfig:
         return self.run.cfg
 
     @property
@@ -195,11 +197,11 @@ class StepContext:
         return self.run.layout
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> PolicyInterface:
         return self.run.policy
 
     @property
-    def generation(self) -> Any:
+    def generation(self) -> GenerationInterface:
         return self.run.generation
 
     @property

@@ -22,9 +22,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.data import DataConfig
+    from nrl_tasks.config.master import MasterConfig
+    from nrl_tasks.run_layout import RunLayout
 
 __all__ = [
     "check_prompt_lengths",
@@ -213,7 +218,7 @@ def load_prompt_file(
     return out
 
 
-def load_prompt_records(data_cfg: Any, split: str, seed: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """Records of ``split`` (``"train"`` or ``"val"``) for a ``DataConfig``."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -242,7 +247,7 @@ def load_prompt_records(data_cfg: Any, split: str, seed: int, storage_options: d
 # formatting and tokenising
 
 
-def format_prompt(prompt: str, data_cfg: Any, tokenizer: Any = None) -> str:
+def format_prompt(prompt: str, data_cfg: DataConfig, tokenizer: Any = None) -> str:
     """Apply ``data.prompt_template`` and, when ``data.chat_template``, the tokenizer's chat template."""
     text = data_cfg.prompt_template.replace("{prompt}", prompt)
     if data_cfg.chat_template:
@@ -297,7 +302,7 @@ def tokenize_prompts(
 
 def check_prompt_lengths(
     records: Sequence[dict[str, str]],
-    data_cfg: Any,
+    data_cfg: DataConfig,
     tokenizer: Any,
     max_length: int,
     *,
@@ -339,7 +344,7 @@ def records_columns(records: Iterable[dict[str, str]]) -> dict[str, list[str]]:
 
 
 def snapshot_records(
-    layout: Any, cfg: Any, split: str, tokenizer: Any = None, storage_options: dict[str, Any] | None = None
+    layout: RunLayout, cfg: MasterConfig, split: str, tokenizer: Any = None, storage_options: dict[str, Any] | None = None
 ) -> list[dict[str, str]]:
     """The run's frozen copy of prompt split ``split`` at ``<run>/data/<split>``: read back when
     committed, else loaded from the configured source, checked (over-long prompts: one clear error

@@ -13,7 +13,7 @@ Output columns (one row per response): ``mode`` ("greedy" | "sample"), ``record_
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,10 +25,16 @@ from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, StageTimer, committed_ref, run_stage, save_output
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.data import DataConfig, EnvConfig
+    from nrl_tasks.config.master import MasterConfig
+    from nrl_tasks.models.generation.interfaces import GenerationInterface
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
+
 __all__ = ["CheckpointVanishedError", "evaluate", "evaluate_records", "summarize_eval", "validate"]
 
 
-def _prompt_batch(records: list[dict[str, str]], data_cfg: Any, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
+def _prompt_batch(records: list[dict[str, str]], data_cfg: DataConfig, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
     from nrl_tasks.stages.data import format_prompt, tokenize_prompts
 
     texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in records]
@@ -47,19 +53,19 @@ def _prompt_batch(records: list[dict[str, str]], data_cfg: Any, tokenizer: Any, 
 
 
 def evaluate_records(
-    generation: Any,
+    generation: GenerationInterface,
     tokenizer: Any,
     records: list[dict[str, str]],
     *,
-    data_cfg: Any,
-    env_cfg: Any,
+    data_cfg: DataConfig,
+    env_cfg: EnvConfig,
     max_prompt_tokens: int,
     seed: int,
     step: int,
     num_samples: int = 0,
     weights_version: int | None = None,
     batch_size: int = 64,
-    reward_model: Any = None,
+    reward_model: PolicyInterface | None = None,
 ) -> BatchedDataDict:
     """Greedy (and ``num_samples`` sampled) responses of ``records`` with their rewards."""
     from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
@@ -161,7 +167,7 @@ def _vanished(checkpoint: str, reason: str) -> dict[str, Any]:
 
 @task(name="evaluate", task_run_name="evaluate-{run_id}-{checkpoint}", **TASK_DEFAULTS)
 def evaluate(
-    cfg: Any,
+    cfg: MasterConfig,
     run_id: str,
     checkpoint: str,
     records: list[dict[str, str]],
@@ -220,7 +226,7 @@ def _checkpoint_intact(ck_uri: str, opts: dict[str, Any] | None) -> bool:
 
 
 def _evaluate_claimed(
-    cfg: Any, run_id: str, checkpoint: str, records: list[dict[str, str]], ck_uri: str, uri: str,
+    cfg: MasterConfig, run_id: str, checkpoint: str, records: list[dict[str, str]], ck_uri: str, uri: str,
     dataset: str | None, num_samples: int, holder: str,
 ) -> dict[str, Any]:
     import shutil

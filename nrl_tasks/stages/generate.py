@@ -16,7 +16,7 @@ same weights gives the same rollouts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from nrl_tasks.stages.data import derive_seed, format_prompt, gen_batch_record_i
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.schedule import StepSchedule
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.data import DataConfig
 
 __all__ = [
     "build_prompt_batch",
@@ -52,7 +55,7 @@ def build_prompt_batch(
     num_prompts: int,
     num_generations: int,
     seed: int,
-    data_cfg: Any,
+    data_cfg: DataConfig,
     tokenizer: Any,
     max_prompt_tokens: int,
     seed_stage: str = "generate",

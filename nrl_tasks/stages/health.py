@@ -8,10 +8,14 @@ the happy path of a step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.stages.resume_plan import ActorHealth
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.models.generation.interfaces import GenerationInterface
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
 
 __all__ = ["PROBE_TIMEOUT_S", "generation_responsive", "policy_responsive", "probe_actors", "probe_timeout_s"]
 
@@ -38,7 +42,7 @@ def _probe(refs: list[Any], timeout_s: float) -> list[Any] | None:
         return None
 
 
-def policy_responsive(policy: Any, timeout_s: float | None = None) -> int | None:
+def policy_responsive(policy: PolicyInterface, timeout_s: float | None = None) -> int | None:
     """The live policy's weights version (every rank answers and agrees), else ``None``."""
     if policy is None:
         return None
@@ -53,7 +57,7 @@ def policy_responsive(policy: Any, timeout_s: float | None = None) -> int | None
     return int(versions[0])
 
 
-def generation_responsive(generation: Any, timeout_s: float | None = None) -> list[dict[str, Any]] | None:
+def generation_responsive(generation: GenerationInterface, timeout_s: float | None = None) -> list[dict[str, Any]] | None:
     """Every generation worker's ``{"weights_version", "stale", "rank"}``; ``None`` if one is dead or stuck."""
     if generation is None:
         return None

@@ -13,7 +13,7 @@ its replays do without, and the metrics line says ``logprob_skipped: true``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,16 +25,20 @@ from nrl_tasks.stages.errors import StalePolicyError
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
+
 __all__ = ["check_policy_version", "compute_logprobs", "logprob", "logprob_needed"]
 
 
-def logprob_needed(cfg: Any) -> bool:
+def logprob_needed(cfg: MasterConfig) -> bool:
     """Whether any stage reads the step's ``logprobs`` (see the module docstring)."""
     loss = cfg.loss_fn
     return not (loss.force_on_policy_ratio and loss.kl_in_loss == 0 and not loss.use_kl_in_reward)
 
 
-def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:
+def compute_logprobs(policy: PolicyInterface, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:
     """``{"prev_logprobs", "reference_policy_logprobs"}`` of a rollout batch."""
     data = BatchedDataDict({"input_ids": rollouts["input_ids"], "input_lengths": rollouts["input_lengths"]})
     prev = policy.get_logprobs(data)["logprobs"].to(torch.float32)
@@ -45,7 +49,7 @@ def compute_logprobs(policy: Any, rollouts: BatchedDataDict, *, need_reference: 
     return BatchedDataDict({"prev_logprobs": prev, "reference_policy_logprobs": ref})
 
 
-def check_policy_version(policy: Any, version: int, what: str) -> None:
+def check_policy_version(policy: PolicyInterface, version: int, what: str) -> None:
     """``StalePolicyError`` unless the policy reports weights version ``version``."""
     have = policy.weights_version
     if have != version:

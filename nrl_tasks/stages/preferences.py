@@ -21,12 +21,17 @@ loses prompt tokens from the left first, then response tokens from the right.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.data import _read_rows, completion_batch, derive_seed, format_prompt, load_prompt_records
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.data import DataConfig
+    from nrl_tasks.config.master import MasterConfig
+    from nrl_tasks.run_layout import RunLayout
 
 __all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "snapshot_preferences"]
 
@@ -55,7 +60,7 @@ def load_preference_file(path: str, *, prompt_key: str = "prompt", storage_optio
     return out
 
 
-def builtin_preferences(data_cfg: Any, seed: int) -> list[dict[str, str]]:
+def builtin_preferences(data_cfg: DataConfig, seed: int) -> list[dict[str, str]]:
     """Pairs on the built-in arithmetic task's train prompts (see the module docstring)."""
     out = []
     for i, r in enumerate(load_prompt_records(data_cfg, "train", seed)):
@@ -65,7 +70,7 @@ def builtin_preferences(data_cfg: Any, seed: int) -> list[dict[str, str]]:
     return out
 
 
-def snapshot_preferences(layout: Any, cfg: Any, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def snapshot_preferences(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """The run's frozen pairs at ``<run>/data/preferences``: read back when committed, else loaded
     from the configured source and saved."""
     import storage
@@ -87,7 +92,7 @@ def snapshot_preferences(layout: Any, cfg: Any, storage_options: dict[str, Any] 
     return recs
 
 
-def build_pair_batch(records: list[dict[str, str]], indices: list[int], tokenizer: Any, data_cfg: Any, max_len: int
+def build_pair_batch(records: list[dict[str, str]], indices: list[int], tokenizer: Any, data_cfg: DataConfig, max_len: int
                      ) -> BatchedDataDict:
     """The interleaved pair batch of records ``indices`` (see the module docstring)."""
     eos = tokenizer.eos_token_id

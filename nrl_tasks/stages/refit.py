@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 
@@ -45,6 +45,10 @@ from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.errors import RefitFailedError, StalePolicyError
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.models.generation.interfaces import GenerationInterface
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
 
 __all__ = ["RefitFailedError", "abort_refit", "refit", "refit_weights"]
 
@@ -73,7 +77,7 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-def generation_world_size(generation: Any) -> int:
+def generation_world_size(generation: GenerationInterface) -> int:
     for attr in ("world_size", "num_workers"):
         v = getattr(generation, attr, None)
         if callable(v):
@@ -86,7 +90,7 @@ def generation_world_size(generation: Any) -> int:
     raise AttributeError("cannot tell the generation world size")
 
 
-def _policy_world_size(policy: Any) -> int:
+def _policy_world_size(policy: PolicyInterface) -> int:
     for attr in ("world_size", "data_parallel_size"):
         v = getattr(policy, attr, None)
         if callable(v):
@@ -97,8 +101,8 @@ def _policy_world_size(policy: Any) -> int:
 
 
 def refit_weights(
-    policy: Any,
-    generation: Any,
+    policy: PolicyInterface,
+    generation: GenerationInterface,
     weights_version: int,
     *,
     timeout_s: float,

@@ -17,7 +17,7 @@ also counts ``groups_with_signal`` (groups whose rewards differ).
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from prefect import get_run_logger, task
@@ -27,6 +27,10 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.data import EnvConfig
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
 
 __all__ = ["compute_rewards", "reward_function", "score"]
 
@@ -41,7 +45,7 @@ def _logger() -> Any:
         return _log
 
 
-def reward_function(env_cfg: Any):
+def reward_function(env_cfg: EnvConfig):
     """The configured verifiable reward callable (default: arithmetic exact match)."""
     from nrl_tasks.environments.rewards import DEFAULT_REWARD_FN, load_reward_fn
 
@@ -50,8 +54,8 @@ def reward_function(env_cfg: Any):
 
 def compute_rewards(
     rollouts: BatchedDataDict,
-    env_cfg: Any,
-    reward_model: Any = None,
+    env_cfg: EnvConfig,
+    reward_model: PolicyInterface | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """``(rewards [B] float32, valid [B] bool, errors)`` for a rollout batch."""
     from nrl_tasks.environments.rewards import safe_rewards

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -24,6 +24,10 @@ from nrl_tasks.stages.logprob import logprob_needed
 from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+    from nrl_tasks.models.policy.interfaces import PolicyInterface
 
 __all__ = ["build_train_data", "finite_or_none", "replay_train", "run_train", "train", "train_metrics"]
 
@@ -109,7 +113,7 @@ def train_metrics(result: dict[str, Any], reductions: Mapping[str, str] | None =
     return out
 
 
-def run_train(policy: Any, data: BatchedDataDict, loss_cfg: Any, *, gbs: int, mbs: int) -> dict[str, float]:
+def run_train(policy: PolicyInterface, data: BatchedDataDict, loss_cfg: ClippedPGLossConfig, *, gbs: int, mbs: int) -> dict[str, float]:
     """One ``Policy.train`` call with ``ClippedPGLossFn(loss_cfg)``; scalar metrics."""
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 
@@ -118,7 +122,7 @@ def run_train(policy: Any, data: BatchedDataDict, loss_cfg: Any, *, gbs: int, mb
     return train_metrics(result, loss_fn.metric_reductions)
 
 
-def _check_version(policy: Any, step: int) -> None:
+def _check_version(policy: PolicyInterface, step: int) -> None:
     """``Policy.train`` bumps the version once per (non-eval) call: after step N it must be N."""
     if policy.weights_version != step:
         raise RuntimeError(f"after train of step {step} the policy reports weights version {policy.weights_version}")

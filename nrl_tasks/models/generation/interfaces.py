@@ -23,7 +23,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from nrl_tasks.config.base import Section
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -63,24 +65,22 @@ class GenerationOutputSpec(TypedDict):
     truncated: torch.Tensor  # [B] bool
 
 
-class ColocatedConfig(BaseModel):
+class ColocatedConfig(Section):
     """NeMo-RL's ``generation.colocated``: ``enabled`` runs generation on the policy's devices (with
     the ``hf`` backend inside the policy workers: :mod:`nrl_tasks.models.generation.colocated`);
     ``resources`` (NeMo-RL: the generation cluster when not colocated) is accepted and unused."""
 
-    model_config = ConfigDict(extra="forbid")
     enabled: bool = False
     resources: dict[str, Any] | None = None
 
 
-class VllmConfig(BaseModel):
+class VllmConfig(Section):
     """vLLM-specific settings (``vllm`` backend only).
 
     ``llm_kwargs`` is passed verbatim to ``vllm.LLM`` last, so it can override anything.
     ``kv_cache_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` for the CPU build.
     """
 
-    model_config = ConfigDict(extra="forbid")
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     max_model_len: int | None = Field(None, ge=1)
@@ -90,7 +90,7 @@ class VllmConfig(BaseModel):
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
-class GenerationConfig(BaseModel):
+class GenerationConfig(Section):
     """Generation settings (NeMo-RL key names, plus worker placement knobs).
 
     ``top_k``: ``None`` or ``-1`` disables it. ``stop_token_ids``: extra stop ids; the
@@ -98,8 +98,6 @@ class GenerationConfig(BaseModel):
     tokenizer's pad id (else its EOS). ``max_batch_size``: rows per forward inside one worker
     (``None``: the whole shard at once).
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     backend: Literal["hf", "vllm"] = "hf"
     model_name: str | None = None

@@ -7,13 +7,13 @@ naming the key instead of a silently ignored setting.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from nrl_tasks.config.base import Section
+from nrl_tasks.config.hash import digest
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 
 __all__ = [
@@ -32,18 +32,14 @@ __all__ = [
 _ADAMW_NAMES = ("torch.optim.AdamW", "AdamW", "adamw")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TokenizerConfig(_Strict):
+class TokenizerConfig(Section):
     """``name``: local tokenizer folder (``None``: the model folder)."""
 
     name: str | None = None
     chat_template: str | None = None
 
 
-class OptimizerKwargs(_Strict):
+class OptimizerKwargs(Section):
     lr: float = Field(5e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -58,7 +54,7 @@ class OptimizerKwargs(_Strict):
         return v
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Section):
     """AdamW only (``name`` as NeMo-RL spells it: ``torch.optim.AdamW``)."""
 
     name: str = "torch.optim.AdamW"
@@ -72,7 +68,7 @@ class OptimizerConfig(_Strict):
         return v
 
 
-class SchedulerConfig(_Strict):
+class SchedulerConfig(Section):
     """Learning-rate schedule, stepped once per optimizer step.
 
     ``warmup_steps`` of linear warm-up (``lr * (step + 1) / warmup_steps``), then ``constant``,
@@ -113,7 +109,7 @@ class SchedulerConfig(_Strict):
 LORA_A_INITS = ("xavier", "kaiming")
 
 
-class LoRAConfig(_Strict):
+class LoRAConfig(Section):
     """NeMo-RL's ``dtensor_cfg.lora_cfg``: low-rank adapters (``peft``) on the HF policy.
 
     ``match_all_linear``: every ``nn.Linear`` except the output layer (peft's ``"all-linear"``),
@@ -159,7 +155,7 @@ class LoRAConfig(_Strict):
         return self
 
 
-class DTensorConfig(_Strict):
+class DTensorConfig(Section):
     """NeMo-RL's ``dtensor_cfg``: how torch's FSDP2 lays the policy over its data-parallel ranks
     (:mod:`~nrl_tasks.models.policy.workers.parallel`).
 
@@ -194,7 +190,7 @@ class DTensorConfig(_Strict):
         return self
 
 
-class DynamicBatchingConfig(_Strict):
+class DynamicBatchingConfig(Section):
     """Micro-batches of at most ``*_mb_tokens`` padded tokens, rows sorted by length."""
 
     enabled: bool = False
@@ -209,7 +205,7 @@ class DynamicBatchingConfig(_Strict):
         return self
 
 
-class SequencePackingConfig(_Strict):
+class SequencePackingConfig(Section):
     """Rows of a bin (at most ``*_mb_tokens`` tokens) run as one packed sequence."""
 
     enabled: bool = False
@@ -225,14 +221,16 @@ class SequencePackingConfig(_Strict):
         return self
 
 
-class RewardModelConfig(_Strict):
-    """``enabled``: the model is an ``AutoModelForSequenceClassification`` used by ``score``."""
+class RewardModelConfig(Section):
+    """NeMo-RL's ``policy.reward_model_cfg``: ``enabled``, the model is an
+    ``AutoModelForSequenceClassification`` used by ``score``. Which model scores a run's rollouts is
+    the run config's ``env.reward_model`` (:class:`nrl_tasks.config.data.RewardModelEnvConfig`)."""
 
     enabled: bool = False
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(Section):
     """Configuration of a :class:`~nrl_tasks.models.policy.lm_policy.Policy` (NeMo-RL key names).
 
     ``model_name`` is a local HF folder (nothing is downloaded). ``generation`` (optional) gives
@@ -303,12 +301,13 @@ class PolicyConfig(_Strict):
         return self.generation.precision if self.generation is not None else self.precision
 
     def config_hash(self) -> str:
-        """SHA-256 of the canonical JSON form (identifies the config a live policy runs)."""
+        """SHA-256 (64 hex chars) of the canonical JSON form: identifies the settings a live policy runs
+        (``Policy.attach`` refuses kept actors running others). Not the run's config hash
+        (:func:`nrl_tasks.config.hash.config_hash`); both are :func:`~nrl_tasks.config.hash.digest`."""
         data = self.model_dump(mode="json")
         if not self.dtensor_cfg.lora_cfg.enabled:  # hashes as before the key existed
             data["dtensor_cfg"].pop("lora_cfg")
-        payload = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(payload.encode()).hexdigest()
+        return digest(data)
 
     def diff(self, other: "PolicyConfig") -> list[str]:
         """Dotted keys whose values differ between ``self`` and ``other``."""

@@ -1,10 +1,15 @@
-"""The config hash and the saved ``config.yaml`` of a run (:mod:`flows.config`).
+"""The config hash of a run, and the one hashing helper of config data (:func:`digest`).
 
 The hash covers everything that changes the numbers a run produces; it leaves out where things
 run and are written (``cluster.ray``, ``storage``), how they are shown (``logger``), the length
 of the run (``grpo.max_num_steps``, ``dpo.max_num_steps``), retry settings and the checkpoint
 cadence/retention; sections and keys added after runs existed count only when used, so older
-runs keep their hashes. Resuming with a different hash is refused.
+runs keep their hashes. Resuming with a different hash is refused. Writing and reading the saved
+``config.yaml`` (which starts with the hash) is the loader's job (:mod:`flows.config`).
+
+:func:`digest` is the one hashing helper: the run's :func:`config_hash` is its first 16 hex
+characters over :func:`hashed_data`; ``PolicyConfig.config_hash`` (which identifies the settings a
+live policy runs, checked when a flow attaches to kept actors) is its full 64 over the policy section.
 """
 
 from __future__ import annotations
@@ -13,15 +18,10 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from flows.config_io import load_yaml_text
-from flows.config_secrets import redact
-
 if TYPE_CHECKING:
-    from flows.config import MasterConfig
+    from nrl_tasks.config.master import MasterConfig
 
-__all__ = ["changed_keys", "config_hash", "config_to_yaml", "hashed_data", "saved_config_hash"]
+__all__ = ["changed_keys", "config_hash", "digest", "hashed_data"]
 
 _HASH_EXCLUDE: dict[str, Any] = {
     "cluster": {"ray"},
@@ -71,18 +71,28 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
     return data
 
 
+def digest(data: Any, chars: int = 64) -> str:
+    """The first ``chars`` hex characters of the sha256 of ``data``'s canonical JSON (sorted keys,
+    no spaces; a value JSON cannot write is written as its ``str``).
+
+    >>> digest({"b": 1, "a": [1.5, None]}, 16) == digest({"a": [1.5, None], "b": 1})[:16]
+    True
+    """
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:chars]
+
+
 def config_hash(cfg: MasterConfig) -> str:
     """sha256 (16 hex chars) of the canonical JSON of :func:`hashed_data`."""
-    blob = json.dumps(hashed_data(cfg), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return digest(hashed_data(cfg), 16)
 
 
 def changed_keys(a: MasterConfig, b: MasterConfig) -> list[str]:
     """Dotted keys whose result-affecting values differ between ``a`` and ``b`` (sorted).
 
-    >>> from flows.config import load_config
-    >>> base = load_config("configs/grpo_tiny.yaml")
-    >>> changed_keys(base, load_config("configs/grpo_tiny.yaml", ["grpo.seed=7", "grpo.max_num_steps=9"]))
+    >>> from nrl_tasks.config.master import MasterConfig
+    >>> base = MasterConfig.model_validate({"policy": {"model_name": "m"}, "generation": {}})
+    >>> changed_keys(base, base.model_copy(update={"grpo": base.grpo.model_copy(update={"seed": 7, "max_num_steps": 9})}))
     ['grpo.seed']
     """
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -92,20 +102,3 @@ def changed_keys(a: MasterConfig, b: MasterConfig) -> list[str]:
 
     fa, fb = flat(hashed_data(a)), flat(hashed_data(b))
     return sorted(k.rstrip(".") for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
-
-
-def config_to_yaml(cfg: MasterConfig) -> str:
-    """The resolved config as YAML, starting with its hash; credentials redacted.
-
-    ``config_hash`` is ignored on load. ``storage.storage_options`` values whose key looks like a
-    secret are written as ``***`` (they never reach storage, logs or artifacts).
-    """
-    data = {"config_hash": config_hash(cfg), **cfg.model_dump(mode="json")}
-    data["storage"] = redact(data["storage"])
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def saved_config_hash(text: str, source: str = "config.yaml") -> str | None:
-    """The ``config_hash`` recorded in a saved ``config.yaml`` text (``ConfigError`` naming
-    ``source`` when the text is not a config)."""
-    return load_yaml_text(text, source).get("config_hash")

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from nrl_tasks.config.base import Section
+
+__all__ = ["AsyncGRPOConfig"]
 
 
-class AsyncGRPOConfig(BaseModel):
+class AsyncGRPOConfig(Section):
     """NeMo-RL's ``grpo.async_grpo``: generation of later steps overlaps training of this one.
 
     Rollouts of step ``N`` are generated on weights version ``max(0, N - 1 - age)`` exactly
     (:mod:`nrl_tasks.stages.schedule`), so a resumed or recomputed step reproduces them."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     enabled: bool = False
     max_trajectory_age_steps: int = Field(

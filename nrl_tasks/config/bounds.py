@@ -3,7 +3,7 @@
 - a boolean where a number goes (``grpo.max_num_steps=true`` read as 1 step);
 - ``inf`` / ``nan`` (``gt=0`` accepts ``inf``), also inside free-form dicts (``vllm_cfg.llm_kwargs``);
 - absurd sizes (``generation.num_workers=1000``): the sections of ``nrl_tasks`` are not changed
-  here, so their maxima live in :data:`MAXIMA`; the sections of :mod:`flows.config` carry theirs
+  here, so their maxima live in :data:`MAXIMA`; the sections of :mod:`nrl_tasks.config` carry theirs
   as ``Field(le=...)`` in the field descriptions.
 
 Integers written as integral floats (``data.arithmetic.num_train=1e6``) stay accepted, as
@@ -143,7 +143,7 @@ def value_errors(model: type[BaseModel], data: Any) -> dict[str, str]:
 
     Keys pydantic will reject (unknown, wrong type) are left to pydantic.
 
-    >>> from flows.config import MasterConfig
+    >>> from nrl_tasks.config.master import MasterConfig
     >>> value_errors(MasterConfig, {"grpo": {"max_num_steps": True}, "generation": {"num_workers": 4096}})
     {'grpo.max_num_steps': 'must be an integer, not a boolean (got True)', 'generation.num_workers': 'must be <= 1024 (got 4096)'}
     """

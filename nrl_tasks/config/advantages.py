@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from nrl_tasks.config.base import Section
 
 __all__ = ["AdvEstimatorConfig"]
 
 
-class AdvEstimatorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class AdvEstimatorConfig(Section):
     name: Literal["grpo", "reinforce_plus_plus", "dr_grpo"] = "grpo"
     #: REINFORCE++: subtract the group mean (the prompt's samples) before the batch normalisation
     minus_baseline: bool = True

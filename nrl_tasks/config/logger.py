@@ -1,21 +1,19 @@
 """The ``logger`` section of the run config: console, artifacts, checksums, trackers (TensorBoard,
 MLflow, W&B) and the step grouping in the Prefect UI. None of it changes a run's numbers, so the
-whole section stays out of the config hash (:mod:`flows.config`)."""
+whole section stays out of the config hash (:mod:`nrl_tasks.config.hash`)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from nrl_tasks.config.base import Section
 
 __all__ = ["LoggerConfig", "MLflowConfig", "WandbConfig"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-class MLflowConfig(_Section):
+class MLflowConfig(Section):
     experiment_name: str = Field(
         "nrl-flows", min_length=1, description="MLflow experiment of the run (created if missing)"
     )
@@ -27,12 +25,12 @@ class MLflowConfig(_Section):
     )
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     project: str = Field("nrl-flows", min_length=1, description="W&B project")
     name: str | None = Field(None, description="W&B run name; default: the run id")
 
 
-class LoggerConfig(_Section):
+class LoggerConfig(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     console: bool = Field(True, description="print one progress line per step")
     artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")

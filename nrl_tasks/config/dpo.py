@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from flows.config_bounds import INT64, MAX_STEPS
+from nrl_tasks.config.bounds import INT64, MAX_STEPS
 from nrl_tasks.algorithms.dpo import DPOLossConfig
 
 __all__ = ["DPOConfig"]

@@ -1,14 +1,14 @@
 """Cross-section checks of the run config: keys valid alone that do not go together. Called by
-:class:`flows.config.MasterConfig`'s validator; every message names the keys involved."""
+:class:`nrl_tasks.config.master.MasterConfig`'s validator; every message names the keys involved."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flows.config_bounds import MAX_ROWS
+from nrl_tasks.config.bounds import MAX_ROWS
 
 if TYPE_CHECKING:
-    from flows.config import MasterConfig
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["combination_errors"]
 

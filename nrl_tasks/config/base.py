@@ -1,0 +1,23 @@
+"""The one base class of every run-config section (:mod:`nrl_tasks.config`, and the sections of
+``nrl_tasks.models`` / ``nrl_tasks.algorithms`` that the run config embeds).
+
+- ``extra="forbid"``: a typo is an error naming the key, not a silently ignored setting;
+- ``validate_assignment=True``: ``cfg.grpo.seed = "x"`` is refused like the same value in YAML;
+- ``allow_inf_nan=False``: numbers are finite. The config loader reports ``inf`` / ``nan`` first
+  (:func:`nrl_tasks.config.bounds.value_errors`, with the key), so this only shows when a section
+  is built directly (``PolicyConfig(max_grad_norm=float("inf"))``).
+
+Not frozen: the flows build changed copies with ``model_copy(update=...)``, never in place.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Section"]
+
+
+class Section(BaseModel):
+    """A section of the run config (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

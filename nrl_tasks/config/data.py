@@ -1,0 +1,92 @@
+"""What a run trains on and how it is scored: the ``data`` and ``env`` sections of the run config."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from nrl_tasks.config.base import Section
+from nrl_tasks.config.bounds import MAX_DATASET_ROWS, MAX_SEQUENCE_TOKENS
+
+__all__ = ["ArithmeticDataConfig", "DataConfig", "EnvConfig", "RewardModelEnvConfig"]
+
+
+class ArithmeticDataConfig(Section):
+    """Built-in task generator (``nrl_tasks.environments.arithmetic``)."""
+
+    num_train: int = Field(
+        1024, ge=1, le=MAX_DATASET_ROWS, description="size of the train pool (cycled over epochs), <= 10**8"
+    )
+    num_val: int = Field(64, ge=1, le=MAX_DATASET_ROWS, description="<= 10**8")
+    max_operand: int = Field(9, ge=0, le=10**18, description="<= 10**18")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], max_length=16)
+    few_shot: int = Field(0, ge=0, le=1024, description="solved examples prefixed to every prompt, <= 1024")
+
+
+class DataConfig(Section):
+    dataset: Literal["arithmetic", "file"] = "arithmetic"
+    train_path: str | None = Field(None, description="JSONL/Parquet/Arrow, local or s3://")
+    val_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = Field("{prompt}", description="str.format template with {prompt}")
+    chat_template: bool = Field(False, description="wrap with the tokenizer's chat template")
+    system_prompt: str | None = None
+    max_input_seq_length: int | None = Field(
+        None, ge=1, le=MAX_SEQUENCE_TOKENS, description="prompt token budget (<= 2**20)"
+    )
+    overlong_prompts: Literal["truncate", "reject"] = "reject"
+    shuffle: bool = True
+    arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_implies_file(cls, data: Any) -> Any:
+        """``data.train_path`` without ``data.dataset`` means the file dataset; with
+        ``dataset: arithmetic`` it is a contradiction (the path would be ignored)."""
+        if isinstance(data, dict) and data.get("train_path") is not None:
+            if "dataset" not in data:
+                data = {**data, "dataset": "file"}
+            elif data["dataset"] == "arithmetic":
+                raise ValueError(
+                    "data.train_path is set but data.dataset is 'arithmetic' (the built-in prompts): the file would be "
+                    "ignored; set data.dataset: file, or drop data.train_path"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.dataset == "file" and not self.train_path:
+            raise ValueError("data.train_path is required when data.dataset is 'file'")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("data.prompt_template must contain '{prompt}'")
+        return self
+
+
+class RewardModelEnvConfig(Section):
+    """``env.reward_model``: which sequence-classification model scores the rollouts (NeMo-RL's reward-model
+    environment). The flow runs it as a Policy whose ``policy.reward_model_cfg``
+    (:class:`~nrl_tasks.models.policy.RewardModelConfig`) is enabled."""
+
+    enabled: bool = False
+    model_name: str | None = Field(None, description="local path of a sequence-classification model")
+
+
+class EnvConfig(Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    reward_fn: str | None = Field(None, description="'package.module:function' (default: exact match)")
+    reward_model: RewardModelEnvConfig = Field(default_factory=RewardModelEnvConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if self.reward_fn is not None:
+            mod, _, fn = self.reward_fn.partition(":")
+            if not mod or not fn or ":" in fn:
+                raise ValueError(f"env.reward_fn must look like 'package.module:function', got {self.reward_fn!r}")
+        if self.reward_model.enabled:
+            if self.reward_fn is not None:
+                raise ValueError("env.reward_fn and env.reward_model.enabled are mutually exclusive")
+            if not self.reward_model.model_name:
+                raise ValueError("env.reward_model.model_name is required when env.reward_model.enabled")
+        return self

@@ -1,0 +1,100 @@
+"""The whole run config: :class:`MasterConfig`, one field per section (loaded, overridden and
+saved by ``flows.config``; its hash: :mod:`nrl_tasks.config.hash`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+from nrl_tasks.config.base import Section
+from nrl_tasks.config.cluster import CheckpointingConfig, ClusterConfig, StorageConfig
+from nrl_tasks.config.combinations import combination_errors
+from nrl_tasks.config.data import DataConfig, EnvConfig
+from nrl_tasks.config.dpo import DPOConfig
+from nrl_tasks.config.errors import ConfigError
+from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
+from nrl_tasks.config.logger import LoggerConfig
+from nrl_tasks.models.generation.interfaces import GenerationConfig
+from nrl_tasks.models.policy import PolicyConfig
+
+__all__ = ["MasterConfig"]
+
+
+class MasterConfig(Section):
+    """Everything a GRPO run needs. See ``configs/grpo_tiny.yaml``."""
+
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    policy: PolicyConfig
+    generation: GenerationConfig | None = Field(None, description="default: policy.generation")
+    data: DataConfig = Field(default_factory=DataConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; nrl_tasks.config.dpo)")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "MasterConfig":
+        errors = combination_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Rows of one step: ``num_prompts_per_step * num_generations_per_prompt``."""
+        return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether the run has generation workers (a DPO run has none)."""
+        return self.generation is not None or getattr(self.policy, "generation", None) is not None
+
+    @property
+    def gen(self) -> GenerationConfig:
+        """The effective generation config (top-level ``generation`` or ``policy.generation``)."""
+        g = self.generation or getattr(self.policy, "generation", None)
+        if g is None:  # pragma: no cover - excluded by validation
+            raise ConfigError("no generation config: set `generation` or `policy.generation`")
+        return g
+
+    def generation_config(self) -> GenerationConfig:
+        """The generation config the workers run: ``model_name`` defaults to the policy's and
+        built-in model names are resolved to local folders. With LoRA on and the vLLM backend,
+        vLLM's LoRA support is switched on for the adapters-only refits (``llm_kwargs``
+        ``enable_lora``, ``max_lora_rank`` = ``lora_cfg.dim``, one adapter at a time), unless
+        ``generation.vllm_cfg.llm_kwargs`` sets those keys itself."""
+        from nrl_tasks.models.builtin import resolve_model_path
+
+        g = self.gen
+        update: dict[str, Any] = {"model_name": resolve_model_path(g.model_name or self.policy.model_name)}
+        lora = self.policy.dtensor_cfg.lora_cfg
+        if g.backend == "vllm" and lora.enabled:
+            llm_kwargs = {"enable_lora": True, "max_lora_rank": lora.dim, "max_loras": 1, **g.vllm_cfg.llm_kwargs}
+            update["vllm_cfg"] = g.vllm_cfg.model_copy(update={"llm_kwargs": llm_kwargs})
+        return g.model_copy(update=update)
+
+    def policy_config(self) -> PolicyConfig:
+        """The PolicyConfig the actors run: ``generation`` filled in (its temperature divides the
+        logits in ``get_logprobs``/``train``; its precision is the refit dtype) and built-in model
+        names resolved to local folders."""
+        from nrl_tasks.models.builtin import resolve_model_path
+
+        p = self.policy
+        update: dict[str, Any] = {  # a DPO run has no generation config
+            "model_name": resolve_model_path(p.model_name), "generation": self.generation_config() if self.has_generation else None,
+        }
+        if p.tokenizer.name:
+            update["tokenizer"] = p.tokenizer.model_copy(update={"name": resolve_model_path(p.tokenizer.name)})
+        return p.model_copy(update=update)
+
+    def max_prompt_tokens(self) -> int:
+        """Token budget of one prompt: explicit, or what the sequence length leaves."""
+        if self.data.max_input_seq_length is not None:
+            return self.data.max_input_seq_length
+        return self.policy.max_total_sequence_length - self.gen.max_new_tokens
