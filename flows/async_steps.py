@@ -1,7 +1,8 @@
 """Async GRPO in the run's flow: the phases of :class:`nrl_tasks.stages.schedule.StepSchedule`,
 with the generation lane (``prompts`` -> ``generate`` -> ``score`` of later steps) submitted as
 concurrent Prefect tasks while the policy lane (``logprob`` -> ``advantages`` -> ``train``,
-``checkpoint`` when due) runs in the flow's thread, and the refit of version ``k`` between
+``checkpoint`` when due) runs in the flow's thread (both lanes are :mod:`flows.lanes`, the ones a
+synchronous step runs), and the refit of version ``k`` between
 ``train(k)`` and ``train(k+1)`` when both lanes are free::
 
     rollouts_2 = generate.submit(ctx2, prompts_2, 0)         # generation workers, version 0
@@ -32,65 +33,14 @@ from typing import Any, Callable
 from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
+from flows.lanes import GenerationLane, policy_lane
 from flows.step import StepPlan, StepRefs, publish_step
-from nrl_tasks.stages.advantages import advantages, needs_logprobs
-from nrl_tasks.stages.checkpoint import checkpoint
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.evaluate import validate
-from nrl_tasks.stages.generate import generate, prompts
-from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.schedule import Event, StepSchedule
-from nrl_tasks.stages.score import score
-from nrl_tasks.stages.train import train
 
 __all__ = ["run_async_steps"]
-
-
-class _GenerationLane:
-    """The generations submitted to the generation workers, in step order (each waits for the one
-    before: one set of workers). ``{step: (prompts, rollouts future, rewards future)}``."""
-
-    def __init__(self, run: RunContext) -> None:
-        self.run = run
-        self.pending: dict[int, tuple[Any, Any, Any]] = {}
-        self.futures: list[Any] = []
-
-    def submit(self, events: list[Event]) -> None:
-        prev = self.futures[-1] if self.futures else None
-        for e in events:
-            c = quote(self.run.step(e.step))
-            p = prompts(c)  # cheap, in the flow thread: the prompts of a step are fixed by its seed
-            r = generate.submit(c, p, e.version, wait_for=[prev] if prev is not None else None)
-            s = score.submit(c, r)
-            self.pending[e.step] = (p, r, s)
-            self.futures += [r, s]
-            prev = s
-
-    def take(self, step: int, version: int) -> tuple[Any, Any, Any]:
-        """The step's prompts, rollouts and rewards (computed here when not submitted: a step
-        trained before the resume, whose datasets are committed and skip)."""
-        if step in self.pending:
-            p, r, s = self.pending.pop(step)
-            return p, r.result(), s.result()
-        c = quote(self.run.step(step))
-        p = prompts(c)
-        r = generate(c, p, version)
-        return p, r, score(c, r)
-
-    def settle(self) -> None:
-        """Wait until every submitted generation has finished (failed or not)."""
-        for f in self.futures:
-            f.wait()
-
-    def first_error(self) -> BaseException | None:
-        """The exception of the first failed submitted task (the later ones did not run)."""
-        for f in self.futures:
-            if f.state.is_failed():
-                err = f.state.result(raise_on_failure=False)
-                if isinstance(err, BaseException):
-                    return err
-        return None
 
 
 def run_async_steps(
@@ -117,7 +67,7 @@ def run_async_steps(
     finished: set[int] = set()
     start, held = max(1, trained), trained  # the generation workers hold the trained prefix
     while True:
-        lane = _GenerationLane(run)
+        lane = GenerationLane(run)
         try:
             _run_schedule(run, sched, lane, plan_for, start, held, finished, walls, fence, publish, after_step)
             return walls
@@ -139,7 +89,7 @@ def _unfinished(exc: BaseException) -> bool:
 def _run_schedule(
     run: RunContext,
     sched: StepSchedule,
-    lane: _GenerationLane,
+    lane: GenerationLane,
     plan_for: Callable[[int], StepPlan],
     start: int,
     held: int,
@@ -162,15 +112,10 @@ def _run_schedule(
                 fence()
             t0 = time.perf_counter()
             ctx = run.step(e.step)
-            c = quote(ctx)
-            prompt_ref, rollouts, rewards = lane.take(e.step, sched.generation_version(e.step))
+            gen = lane.take(e.step, sched.generation_version(e.step))
             plan = plan_for(e.step)
-            logprobs = logprob(c, rollouts, e.step - 1) if logprob_needed(run.cfg) else None
-            advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(run.cfg) else None)
-            trained[e.step] = train(c, rollouts, logprobs, advs)
-            ck = checkpoint(c, trained[e.step], plan.config_hash) if plan.checkpoint else None
-            datasets = {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs,
-                        "advantages": advs, "train": trained[e.step]}
+            datasets, ck = policy_lane(ctx, gen, plan)
+            trained[e.step] = datasets["train"]
             if plan.validate:
                 val_due.append((e.step, ctx, datasets, ck, plan, t0))
                 continue

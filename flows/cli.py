@@ -157,25 +157,19 @@ def resume(
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
     from flows.preflight import preflight
-    from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
     from flows.run_config import resolve_config
-    from flows.run_state import check_config_hash
+    from flows.run_start import plan_start
     from nrl_tasks.run_layout import RunLayout, validate_run_id
 
     overrides_, recompute = list(overrides), list(recompute or [])
     try:
         run_id = validate_run_id(run_id)
         cfg = resolve_config(None, overrides_, storage, run_id=run_id)
-        specs = parse_recompute(recompute)
-        check_recompute_config(specs, cfg)
         layout = RunLayout(cfg.storage.root, run_id)
-        check_config_hash(layout, cfg)
         opts = cfg.storage.storage_options or None
-        if cfg.dpo is not None and specs:
-            raise ValueError("--recompute is for GRPO runs; a DPO run recomputes what is not committed by itself")
+        # the flow's own resume entry, as a dry run: refused items and damaged batches, the plan
+        start = plan_start(cfg, layout, algorithm="dpo" if cfg.dpo is not None else "grpo", resume=True, recompute=recompute)
         if cfg.dpo is None:
-            # refused --recompute items and damaged batches: one clear error before anything starts
-            check_resume_data(layout, opts, skip=plan_recompute(layout, specs, opts))
             preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
@@ -191,6 +185,7 @@ def resume(
         )
     state = describe_status(read_status(layout, opts) or {})
     print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
+    print(f"nrl: plan: {start.describe()}", flush=True)
     kwargs = {"config": None, "run_id": run_id, "resume": True, "overrides": overrides_, "storage": cfg.storage.root,
               "take_over": take_over}
     if cfg.dpo is not None:

@@ -42,6 +42,7 @@ from flows.run_summary import metrics_window
 from flows.runtime import recreate_policy
 from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.resume_plan import RunFacts
 
 __all__ = ["dpo", "dpo_metrics_line", "restore_dpo_run"]
 
@@ -68,16 +69,16 @@ def dpo_metrics_line(step: int, refs: dict[str, Any], checkpoint: Any, wall_s: f
     return row
 
 
-def restore_dpo_run(run: RunContext, log: Any) -> dict[str, Any]:
-    """Bring the fresh policy to the run's trained prefix (see the module docstring):
+def restore_dpo_run(run: RunContext, facts: RunFacts | None, log: Any) -> dict[str, Any]:
+    """Bring the fresh policy to the run's trained prefix (see the module docstring), from the
+    run's facts as the resume entry read them (:mod:`flows.run_start`; ``None``: a new run):
     ``{"last": T, "restored_from": checkpoint URI or "initial", "replayed": [steps]}``."""
-    from flows.recompute import resume_window
     from nrl_tasks.stages.checkpoint import restore_checkpoint
     from nrl_tasks.stages.dpo import replay_dpo_train
 
     layout, opts = run.layout, run.storage_options
     # dpo.max_num_steps is in the config hash, so the trained prefix never lies beyond it
-    anchor, last = resume_window(layout, opts)  # newest checkpoint <= trained prefix that checks out
+    anchor, last = (facts.anchor, facts.last_trained) if facts is not None else (0, 0)
     if anchor:
         restore_checkpoint(run.policy, layout.checkpoint_uri(anchor), opts, verify=False)
     replayed = list(range(anchor + 1, last + 1))
@@ -95,7 +96,7 @@ def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]
 
     cfg, layout, opts = run.cfg, run.layout, run.storage_options
     total, period = cfg.dpo.max_num_steps, cfg.checkpointing.save_period
-    restored = restore_dpo_run(run, log)
+    restored = restore_dpo_run(run, session.start.facts, log)
     last = restored["last"]
     publisher, progress = BackgroundPublisher(), ProgressHandle(run.run_id)
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}

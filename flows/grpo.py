@@ -44,7 +44,7 @@ from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.metrics import read_metrics
 from flows.quiet_logs import quiet_lifecycle_logs
 from flows.preflight import check_reward_fn
-from flows.recompute import apply_recompute, check_recompute_config, check_resume_data, parse_recompute
+from flows.recompute import apply_recompute, parse_recompute
 from flows.retention import RetentionPolicy, apply_retention
 from flows.step import StepPlan, tag_flow_run
 from flows.run_config import new_run_id, resolve_config
@@ -242,14 +242,12 @@ def grpo(
     log = get_run_logger()
     intent = RunIntent(resume=resume, take_over=take_over)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
-        cfg, run_id, algorithm="grpo", intent=intent, log=log,
+        cfg, run_id, algorithm="grpo", intent=intent, recompute=recompute, log=log,
         configure=lambda c: ensure_warm_start(c, run_id, log),  # warm_start.sft_steps: SFT first (flows.warm_start)
     ) as session:
         cfg, layout, opts = session.cfg, session.layout, session.storage_options
-        if specs:
-            check_recompute_config(specs, cfg)
+        if session.start.deletes:  # checked by the resume entry (flows.run_start), with the damaged data
             log.info("recompute %s: deleted %s", recompute, apply_recompute(layout, specs, opts))
-        check_resume_data(layout, opts)  # damaged batches a resume would read: one clear error, nothing started
         with session.running(max_steps=cfg.grpo.max_num_steps):
             log.info("%s run %s at %s (config hash %s)", "resuming" if session.resuming else "starting", run_id,
                      layout.run_uri, session.config_hash)

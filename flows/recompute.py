@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from flows.run_state import trained_prefix
 from nrl_tasks.run_layout import DATA_STAGES, RunLayout
 from nrl_tasks.stages import graph
 from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import STAGES, dependants
+from nrl_tasks.stages.resume_plan import read_run_facts
 
 __all__ = [
     "DATASET_STAGE",
@@ -119,19 +119,11 @@ def _kw(storage_options: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def resume_window(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> tuple[int, int]:
-    """``(anchor, last)``: the newest checkpoint step at or before the last trained step whose
-    files check out (0 if none; a damaged one is passed over, as the resume plan does) and the
-    last trained step. A resume reads the batches of steps ``anchor+1 .. last+1``."""
-    from nrl_tasks.stages.checkpoint import list_checkpoints
-    from nrl_tasks.stages.checkpoint_files import check_checkpoint
-
-    last = trained_prefix(layout, storage_options=storage_options)
-    if not last:
-        return 0, 0
-    for step, uri in reversed(list_checkpoints(layout.checkpoints_uri, storage_options)):
-        if step <= last and check_checkpoint(uri, storage_options) is None:
-            return step, last
-    return 0, last
+    """``(anchor, last)``: the resume plan's anchor (:attr:`~nrl_tasks.stages.resume_plan.RunFacts.anchor`,
+    the newest checkpoint at or before the last trained step whose files check out; 0 if none) and
+    the last trained step. A resume reads the batches of steps ``anchor+1 .. last+1``."""
+    facts = read_run_facts(layout, storage_options, verify_checkpoints=True, read_checksums=False)
+    return facts.anchor, facts.last_trained
 
 
 def find_damaged(
@@ -139,11 +131,13 @@ def find_damaged(
     storage_options: dict[str, Any] | None = None,
     *,
     skip: Iterable[tuple[int, str]] = (),
+    window: tuple[int, int] | None = None,
 ) -> list[DamagedDataset]:
-    """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``)."""
+    """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``;
+    ``window``: the :func:`resume_window`, when the caller has it)."""
     import storage
 
-    anchor, last = resume_window(layout, storage_options)
+    anchor, last = window or resume_window(layout, storage_options)
     skip = set(skip)
     out = []
     for step in range(anchor + 1, last + 2):
@@ -190,18 +184,23 @@ def check_resume_data(
     storage_options: dict[str, Any] | None = None,
     *,
     skip: Iterable[tuple[int, str]] = (),
+    window: tuple[int, int] | None = None,
 ) -> None:
     """Raise :class:`DamagedRunError` if a dataset a resume reads is damaged (see the module docstring)."""
-    damaged = find_damaged(layout, storage_options, skip=skip)
+    damaged = find_damaged(layout, storage_options, skip=skip, window=window)
     if damaged:
         raise DamagedRunError(damage_message(layout, damaged))
 
 
 def plan_recompute(
-    layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None
+    layout: RunLayout,
+    specs: list[tuple[str, int]],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    window: tuple[int, int] | None = None,
 ) -> list[tuple[int, str]]:
     """``(step, dataset)`` pairs that ``specs`` delete; ``ValueError`` for a refused item."""
-    anchor, last = resume_window(layout, storage_options)
+    anchor, last = window or resume_window(layout, storage_options)
     plan: list[tuple[int, str]] = []
     for stage, step in specs:
         if stage in ("val", "validate"):

@@ -4,7 +4,7 @@
 do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, uncommit
 damaged checkpoints, restore the anchor checkpoint (or the initial weights), replay the ``train``
 of each later step from its persisted batches (recomputing its missing datasets first with the
-step's own stages, the generation workers refitted to that step's weights), then refit the
+step's own lanes, :mod:`flows.lanes`, the generation workers refitted to that step's weights), then refit the
 generation workers to the run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
 finds nothing to do) and after every actor fault.
 
@@ -69,7 +69,7 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
     ``verified``: the checkpoint to restore had its files checked just now (else the restore
     checks them). ``CheckpointDamagedError`` when a file or the loaded weights are not what the
     checkpoint and its step recorded."""
-    from flows.step import data_stages
+    from flows.lanes import data_stages
     from nrl_tasks.stages.checkpoint import discard_checkpoint, restore_checkpoint
     from nrl_tasks.stages.refit import refit
     from nrl_tasks.stages.train import replay_train
@@ -133,11 +133,10 @@ def plan_generation_version(plan: ResumePlan, step: int) -> int:
 
 
 def _generate_on(run: RunContext, plan: ResumePlan, version: int, log: Any) -> None:
-    """Generate (and score) the steps ``plan`` generates on ``version``, the generation workers
-    refitted to it first (the policy holds it now)."""
-    from nrl_tasks.stages.generate import generate, prompts
+    """Run the generation lane (:func:`flows.lanes.generation_lane`) of the steps ``plan``
+    generates on ``version``, the generation workers refitted to it first (the policy holds it now)."""
+    from flows.lanes import generation_lane
     from nrl_tasks.stages.refit import refit
-    from nrl_tasks.stages.score import score
 
     steps = plan.generate_at.get(version, ())
     if not steps:
@@ -145,8 +144,7 @@ def _generate_on(run: RunContext, plan: ResumePlan, version: int, log: Any) -> N
     refit(quote(run.step(steps[0])), None, version, force=True)
     for s in steps:
         log.warning("generating the rollouts of step %d on weights version %d (its scheduled version)", s, version)
-        c = quote(run.step(s))
-        score(c, generate(c, prompts(c), version))
+        generation_lane(run.step(s), version)
 
 
 def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: dict[str, Any], log: Any) -> None:

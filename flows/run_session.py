@@ -15,17 +15,20 @@ Entering the session (:func:`run_session`):
    refused at once, naming the holder;
 2. applies ``configure(cfg)`` under the lease (GRPO's warm start, which may train);
 3. creates the run (``config.yaml``) or checks the config hash of the one it continues
-   (:func:`flows.run_state.init_run`).
+   (:func:`flows.run_state.init_run`);
+4. checks and plans the start with the one resume entry (:func:`flows.run_start.plan_start`:
+   ``--recompute`` items, damaged data a resume reads, the run's facts and anchor):
+   ``session.start``.
 
 :meth:`RunSession.running` then owns the run's life:
 
-4. cleans up what a killed predecessor left: its task runs left Running are marked Crashed, its
+5. cleans up what a killed predecessor left: its task runs left Running are marked Crashed, its
    local Ray and its ephemeral Prefect API server are stopped (:mod:`flows.run_process`);
-5. writes ``status.json`` ``running`` (this flow process, the algorithm, the step budget), and at the
+6. writes ``status.json`` ``running`` (this flow process, the algorithm, the step budget), and at the
    end ``completed``, ``interrupted`` (SIGINT, SIGTERM, even when Prefect re-raised them as another
    error) or ``failed`` with the error; a refusal before this point leaves the status untouched;
-6. applies the config's storage retry policy (``storage.retry``) to everything inside;
-7. on success kills the run's actors; a local Ray this flow started is stopped however the run
+7. applies the config's storage retry policy (``storage.retry``) to everything inside;
+8. on success kills the run's actors; a local Ray this flow started is stopped however the run
    ends. ``NRL_KEEP_ACTORS=1`` keeps both.
 
 Exit codes (130 for SIGINT, 143 for SIGTERM) are the CLI's (:mod:`flows.cli`), from the same
@@ -47,6 +50,7 @@ from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
 from flows.plugins import load_observers
 from flows.run_lease import check_fence, hold_run_lease
 from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
+from flows.run_start import StartPlan, plan_start
 from flows.run_state import init_run, read_status, write_status
 from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout
@@ -94,7 +98,7 @@ class RunSession:
     lease: Any
     config_hash: str
     previous: dict[str, Any]  # status.json as the previous flow of the run left it ({} for a new run)
-    resume: bool  # the run existed and is continued
+    start: StartPlan  # what the start does (flows.run_start)
     log: Any
     runtime: Runtime | None = None
     end_fields: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +110,11 @@ class RunSession:
     @property
     def storage_options(self) -> dict[str, Any] | None:
         return self.cfg.storage.storage_options or None
+
+    @property
+    def resume(self) -> bool:
+        """The run existed and is continued."""
+        return self.start.resume
 
     @property
     def resuming(self) -> bool:
@@ -142,7 +151,7 @@ class RunSession:
 
     @contextlib.contextmanager
     def running(self, *, max_steps: int) -> Iterator["RunSession"]:
-        """The run's life from ``running`` to its end state (steps 4-7 of the module docstring)."""
+        """The run's life from ``running`` to its end state (steps 5-8 of the module docstring)."""
         layout, opts, log = self.layout, self.storage_options, self.log
         if self.previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
             mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log)
@@ -188,9 +197,10 @@ def run_session(
     algorithm: str,
     intent: RunIntent = RunIntent(),
     configure: Callable[[MasterConfig], MasterConfig] | None = None,
+    recompute: list[str] | None = None,
     log: Any = None,
 ) -> Iterator[RunSession]:
-    """Enter run ``run_id`` (steps 1-3 of the module docstring); the lease is released on exit."""
+    """Enter run ``run_id`` (steps 1-4 of the module docstring); the lease is released on exit."""
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
     fid = _flow_run_id()
@@ -198,11 +208,13 @@ def run_session(
     try:
         if configure is not None:
             cfg = configure(cfg)
-        resume = intent.resume or (intent.restartable and fs.exists(layout.config_uri, storage_options=opts))
-        chash = init_run(layout, cfg, resume=resume, flow_run_id=fid)
+        existed = fs.exists(layout.config_uri, storage_options=opts)
+        # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
+        chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
+        start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute)
         yield RunSession(
             cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
-            previous=read_status(layout, opts) or {}, resume=resume, log=log or logger,
+            previous=read_status(layout, opts) or {}, start=start, log=log or logger,
         )
     finally:
         lease.release()

@@ -6,13 +6,16 @@
     rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
     rewards = score(ctx, rollouts)
     # (grpo.use_dynamic_sampling: generation batches until enough groups have reward variance,
-    #  then the step's prompts, rollouts and rewards from them: :func:`sampled_stages`)
+    #  then the step's prompts, rollouts and rewards from them: :func:`flows.lanes.sampled_stages`)
     logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
     advantages = advantages(ctx, rollouts, rewards)
     trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
     checkpoint(ctx, trained)                                # when due
     refitted = refit(ctx, trained, step)                    # generation workers to version step
     validate(ctx, refitted, step)                           # when due
+
+The first three stages are the generation lane, ``logprob`` to ``checkpoint`` the policy lane,
+each defined once in :mod:`flows.lanes` (async GRPO and recovery run the same lanes).
 
 Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.DatasetRef` objects
 the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
@@ -41,17 +44,11 @@ from flows.run_summary import metrics_window, summary_markdown
 from flows.flow_run_meta import add_flow_run_tags, run_tag
 from flows.trackers import TrackerSet
 from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
-from nrl_tasks.stages.advantages import advantages, needs_logprobs
-from nrl_tasks.stages.checkpoint import checkpoint
+from flows.lanes import data_stages, generation_lane, policy_lane, sampled_stages
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.dynamic_sampling import dynamic_sampling, sampled_refs
 from nrl_tasks.stages.evaluate import validate
-from nrl_tasks.stages.generate import generate, prompts
-from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refit import refit
-from nrl_tasks.stages.refs import DatasetRef, StepRefs
-from nrl_tasks.stages.score import score
-from nrl_tasks.stages.train import train
+from nrl_tasks.stages.refs import StepRefs
 
 __all__ = [
     "StepPlan", "data_stages", "grpo_step", "publish_step", "sampled_stages", "tag_flow_run", "without_subflow_heartbeats",
@@ -71,45 +68,6 @@ class StepPlan:
     attempt: int = 1
 
 
-def data_stages(ctx: StepContext, weights_version: int, *, generation_version: int | None = None) -> dict[str, DatasetRef]:
-    """The step's datasets before ``train`` (stages that find their output committed skip);
-    ``logprob`` on the policy at ``weights_version``, ``generate`` on ``generation_version``
-    (default: the same; async GRPO generates on an older one)."""
-    c = quote(ctx)
-    version = weights_version if generation_version is None else generation_version
-    if ctx.cfg.grpo.use_dynamic_sampling:
-        sampled = sampled_stages(ctx, version)
-        prompt_ref, rollouts, rewards = sampled["prompts"], sampled["rollouts"], sampled["rewards"]
-    else:
-        prompt_ref = prompts(c)
-        rollouts = generate(c, prompt_ref, version)
-        rewards = score(c, rollouts)
-    logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
-    advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
-    return {"prompts": prompt_ref, "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs, "advantages": advs}
-
-
-def sampled_stages(ctx: StepContext, version: int) -> dict[str, DatasetRef]:
-    """DAPO's dynamic sampling (:mod:`nrl_tasks.stages.dynamic_sampling`): generation batches
-    until ``grpo.num_prompts_per_step`` groups have reward variance (at most
-    ``grpo.dynamic_sampling_max_gen_batches``), then the step's prompts, rollouts and rewards."""
-    done = sampled_refs(ctx)
-    if done is not None:
-        return done
-    grpo = ctx.cfg.grpo
-    batches: list[tuple[DatasetRef, DatasetRef, DatasetRef]] = []
-    found = 0
-    while found < grpo.num_prompts_per_step and len(batches) < grpo.dynamic_sampling_max_gen_batches:
-        g = quote(ctx.gen_batch_ctx(len(batches)))
-        p = prompts(g)
-        r = generate(g, p, version)
-        s = score(g, r)
-        batches.append((p, r, s))
-        found += int(s.get("groups_with_signal") or 0)
-    ps, rs, ss = (list(x) for x in zip(*batches))
-    return dynamic_sampling(quote(ctx), ps, rs, ss)
-
-
 def _step_run_name() -> str:
     from prefect.runtime import flow_run
 
@@ -127,15 +85,14 @@ def _step_run_name() -> str:
 def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     """Step ``ctx.step`` of the run (see the module docstring)."""
     c = quote(ctx)
-    data = data_stages(ctx, ctx.step - 1)
-    trained = train(c, data["rollouts"], data["logprobs"], data["advantages"])
-    ck = checkpoint(c, trained, plan.config_hash) if plan.checkpoint else None
+    datasets, ck = policy_lane(ctx, generation_lane(ctx, ctx.step - 1), plan)
+    trained = datasets["train"]
     refitted = refit(c, trained, trained.weights_version)
     val = validate(c, refitted, trained.weights_version) if plan.validate else None
     from prefect.runtime import flow_run
 
     fid = str(flow_run.id) if flow_run.id and flow_run.name.startswith(f"{ctx.run_id}-step-") else None
-    return StepRefs(step=ctx.step, datasets={**data, "train": trained}, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
+    return StepRefs(step=ctx.step, datasets=datasets, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
 
 
 def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None) -> None:

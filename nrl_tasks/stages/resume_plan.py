@@ -47,7 +47,7 @@ from typing import Any
 from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import STEP_INPUTS
 
-__all__ = ["ActorHealth", "ResumePlan", "RunFacts", "plan_resume", "read_run_facts"]
+__all__ = ["ActorHealth", "ResumePlan", "RunFacts", "grpo_facts_options", "plan_resume", "read_run_facts"]
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,16 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
     )
 
 
+def grpo_facts_options(cfg: Any) -> dict[str, Any]:
+    """The :func:`read_run_facts` options of a GRPO run's config: its trajectory age (async GRPO),
+    step budget and the datasets its steps do not make (``logprobs`` when nothing reads them)."""
+    from nrl_tasks.stages.logprob import logprob_needed
+    from nrl_tasks.stages.schedule import StepSchedule
+
+    return {"lookahead": StepSchedule.from_config(cfg).lookahead, "max_steps": cfg.grpo.max_num_steps,
+            "skipped": () if logprob_needed(cfg) else ("logprobs",)}
+
+
 def read_run_facts(
     layout: Any,
     storage_options: dict[str, Any] | None = None,
@@ -264,6 +274,7 @@ def read_run_facts(
     lookahead: int = 0,
     max_steps: int | None = None,
     skipped: tuple[str, ...] = (),
+    read_checksums: bool = True,
 ) -> RunFacts:
     """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix).
 
@@ -274,6 +285,9 @@ def read_run_facts(
     ``lookahead``: the async schedule's trajectory age (steps after the trained prefix, up to
     ``max_steps``, whose rollouts are missing are then looked for: :attr:`RunFacts.ungenerated`).
     ``skipped``: datasets the run's steps do not make (``logprobs`` when nothing reads them), never missing.
+    ``read_checksums=False``: leave the ``train`` manifests unread (every checksum ``None``): the
+    anchor and the trained prefix do not depend on them, and a damaged manifest is then the
+    damaged-data check's to report.
     """
     import storage
 
@@ -287,7 +301,7 @@ def read_run_facts(
         if not storage.is_committed(uri, **kw):
             break
         last += 1
-        checksums[last] = storage.read_manifest(uri, **kw).meta.get("weights_checksum")
+        checksums[last] = storage.read_manifest(uri, **kw).meta.get("weights_checksum") if read_checksums else None
     listed = list_checkpoints(layout.checkpoints_uri, storage_options)
     checkpoints = tuple(s for s, _ in listed)
     bad = {s: p for s, p in (damaged or {}).items() if s in checkpoints}

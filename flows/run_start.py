@@ -1,0 +1,99 @@
+"""One resume entry: the user's intent and the run's facts, checked and planned before anything starts.
+
+:func:`plan_start` is the one place that decides what starting a run will do. The CLI calls it as
+a dry run (``nrl resume`` prints the plan, or the reason it is refused, before any Prefect server or
+Ray starts); the run session (:mod:`flows.run_session`) calls it under the run's lease, after the
+run's ``config.yaml`` was created or its hash checked, and the flow acts on what it returns.
+
+For a run that is continued (``resume``; an SFT warm start whose run exists) it:
+
+1. checks the config against the run's saved hash (the refusal names the changed keys);
+2. checks the ``--recompute`` items: GRPO only, allowed by the config (dynamic sampling) and by
+   the run's resume window (:mod:`flows.recompute`), and lists the datasets they delete;
+3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed;
+4. reads the run's facts (:func:`~nrl_tasks.stages.resume_plan.read_run_facts`: trained prefix,
+   checkpoints, the anchor) and plans the resume for actors that start fresh
+   (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
+   actors are gone. The flow then plans again with the actors it finds (live ones on a kept Ray
+   may be reused: :func:`flows.recovery.recover`); DPO restores its anchor and replays after it.
+
+A new run has nothing to check here (``config.yaml`` is created by the session).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flows.config import MasterConfig
+from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
+from flows.run_state import check_config_hash
+from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.graph import STEP_INPUTS
+from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, grpo_facts_options, plan_resume, read_run_facts
+
+__all__ = ["StartPlan", "plan_start"]
+
+#: what a resumed flow starts with when its actors are gone: fresh policy and generation workers
+FRESH_ACTORS = ActorHealth(policy_version=0, generation_version=0, generation_alive=True, policy_fresh=True)
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What starting run ``run_id`` will do (see the module docstring)."""
+
+    run_id: str
+    algorithm: str
+    resume: bool
+    #: the ``--recompute`` items, parsed (``(stage, step)``)
+    recompute: tuple[tuple[str, int], ...] = ()
+    #: ``(step, dataset)`` they delete
+    deletes: tuple[tuple[int, str], ...] = ()
+    facts: RunFacts | None = None
+    #: recovery with fresh actors (``None``: a new run, or an SFT, which restarts from its first step)
+    plan: ResumePlan | None = None
+
+    def describe(self) -> str:
+        if not self.resume:
+            return "a new run"
+        parts = []
+        if self.deletes:
+            parts.append("recompute " + ", ".join(f"step {s} {d}" for s, d in self.deletes))
+        if self.facts is not None:
+            parts.append(f"trained steps: {self.facts.last_trained}")
+        if self.plan is not None and self.plan.touches_actors:
+            parts.append("then " + self.plan.describe() if parts else self.plan.describe())
+        return "; ".join(parts) or "nothing to recover"
+
+
+def plan_start(
+    cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None
+) -> StartPlan:
+    """Check and plan the start of run ``layout.run_id`` (see the module docstring).
+
+    ``ConfigError`` / ``ValueError`` / ``DamagedRunError`` with one clear message when it is refused."""
+    specs = parse_recompute(recompute)
+    if specs and not resume:
+        raise ValueError("recompute needs resume=True")
+    if specs and algorithm != "grpo":
+        raise ValueError(f"--recompute is for GRPO runs; a {algorithm.upper()} run recomputes what is not committed by itself")
+    if not resume:
+        return StartPlan(layout.run_id, algorithm, False)
+    opts = cfg.storage.storage_options or None
+    check_config_hash(layout, cfg)
+    if algorithm == "sft":  # no per-step persistence: it trains again from its first step
+        return StartPlan(layout.run_id, algorithm, True)
+    check_recompute_config(specs, cfg)
+    if algorithm == "grpo":
+        facts_kw: dict[str, Any] = {"max_step": cfg.grpo.max_num_steps, **grpo_facts_options(cfg)}
+    else:  # DPO: its steps make none of GRPO's step inputs
+        facts_kw = {"skipped": tuple(STEP_INPUTS)}
+    # the anchor, its checkpoint files checked once (the train manifests are read after the
+    # damaged-data check, which reports a damaged one plainly)
+    window = read_run_facts(layout, opts, verify_checkpoints=True, read_checksums=False, **facts_kw)
+    deletes = tuple(plan_recompute(layout, specs, opts, window=(window.anchor, window.last_trained)))
+    if algorithm == "grpo":  # damaged batches a resume would read: one clear error
+        check_resume_data(layout, opts, skip=deletes, window=(window.anchor, window.last_trained))
+    facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
+    plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
+    return StartPlan(layout.run_id, algorithm, True, tuple(specs), deletes, facts, plan)

@@ -1,0 +1,26 @@
+"""The lanes of a step are defined once (flows/lanes.py): the drivers (the sync step subflow,
+async GRPO, recovery) call them and never the data stages' tasks themselves."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: the tasks the lanes run (refit and validate are the drivers' own)
+LANE_TASKS = {"prompts", "generate", "score", "dynamic_sampling", "logprob", "advantages", "train", "checkpoint"}
+
+
+def _imported_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nrl_tasks.stages."):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def test_the_drivers_run_the_stages_through_the_lanes_only():
+    for rel in ("flows/step.py", "flows/async_steps.py", "flows/recovery.py"):
+        assert not (_imported_names(ROOT / rel) & LANE_TASKS), (rel, sorted(_imported_names(ROOT / rel) & LANE_TASKS))
+    assert LANE_TASKS <= _imported_names(ROOT / "flows/lanes.py")
