@@ -117,7 +117,12 @@ def run_grpo_steps(
     The loop is flat: each step is one subflow (:func:`flows.step.grpo_step`) run by
     :func:`flows.recovery.run_step`, which recovers and runs it again after an actor fault. The
     last trained step of a resumed run runs once more (its stages are committed and skip; what it
-    had not finished, checkpoint, refit, validation, metrics line, is done)."""
+    had not finished, checkpoint, refit, validation, metrics line, is done).
+
+    Both modes run the same lanes (:mod:`flows.lanes`). Synchronous GRPO is the schedule with
+    no lookahead, but its loop stays per step: the unit Prefect shows and retries is the step's
+    subflow (all of its stages, refit and validation included, ``-retry1`` after a fault), while
+    an async phase holds stages of several steps (``train(k)`` with ``generate(k+1..k+a)``)."""
     from flows.recovery import RetryBudget, recover, run_step
     from flows.step import grpo_step, publish_step, without_subflow_heartbeats
     from nrl_tasks.stages.evaluate import validate
