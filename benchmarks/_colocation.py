@@ -76,8 +76,8 @@ def _median_after_first(rows: list[dict[str, Any]], key: str) -> float:
 def colocation_rows(config: str, overrides: list[str], steps: int, tmp: str) -> dict[str, dict[str, Any]]:
     """One flow run per variant (``separate``, ``colocated``); their figures."""
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     out: dict[str, dict[str, Any]] = {}
     for name, extra in VARIANTS.items():

@@ -2,7 +2,7 @@
 
 :class:`FlowSpans` wraps a few functions of the flow process with wall-clock counters while it
 is active (``with FlowSpans() as spans: grpo(...)``) and snapshots them at the start of every
-step (``flows.recovery.run_step``) and at its end (after the ``apply_retention`` that closes it); a step's
+step (``flows.run.recovery.run_step``) and at its end (after the ``apply_retention`` that closes it); a step's
 seconds per component are the differences. The components are exclusive (none is counted
 inside another one), so ``other`` is the step wall time minus all of them (actor work and
 stage glue included; the benchmark subtracts the actor work recorded in ``metrics.jsonl``).
@@ -76,10 +76,10 @@ class FlowSpans:
         import prefect.tasks
         import storage
 
-        import flows.grpo as grpo
-        import flows.recovery as recovery
-        import flows.step as step
-        from flows.artifacts import BackgroundPublisher
+        import flows.algorithms.grpo as grpo
+        import flows.run.recovery as recovery
+        import flows.algorithms.step as step
+        from flows.observe.artifacts import BackgroundPublisher
         from nrl_tasks.models.policy import lm_policy_refit
         from nrl_tasks.stages import health
 

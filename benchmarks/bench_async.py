@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_async [--quick] [--steps N] [--no-smollm] [--no-learning] [key=value ...]
 
-The same config and seed run twice through ``flows.grpo.grpo`` on the same machine: synchronous,
+The same config and seed run twice through ``flows.algorithms.grpo.grpo`` on the same machine: synchronous,
 and with ``grpo.async_grpo.enabled=true`` (``max_trajectory_age_steps=1``, importance-sampling
 correction on, required). Prints per run: total wall, steps per second, processed tokens per
 second (prompt + response tokens of every rollout, from the rollouts datasets; wall = the flow's
@@ -43,8 +43,8 @@ def _tokens(root: str, run_id: str, steps: int) -> int:
 
 def run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = os.path.join(tmp, tag)
     cfg = load_config(config, [*overrides, f"grpo.max_num_steps={steps}", "checkpointing.enabled=false",
@@ -76,7 +76,7 @@ def compare(label: str, config: str, overrides: list[str], steps: int, tmp: str)
 def learning(steps: int, sft_steps: int, tmp: str) -> dict[str, Any]:
     """SFT warm start once, then sync and async GRPO from it: first 3 vs last 3 steps' reward."""
     from flows.demo import DEMO_CONFIG
-    from flows.sft import sft
+    from flows.algorithms.sft import sft
 
     warm = sft(config=DEMO_CONFIG, run_id="bench-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
     base = ["logger.step_subflows=false", "warm_start.sft_steps=0", f"policy.model_name={warm['weights']}"]

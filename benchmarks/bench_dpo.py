@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_dpo [--quick] [--steps N] [key=value ...]
 
-Two ``nrl dpo`` runs (``flows.dpo.dpo``) on the same pairs and seed: DPO (``preference_loss_weight
+Two ``nrl dpo`` runs (``flows.algorithms.dpo.dpo``) on the same pairs and seed: DPO (``preference_loss_weight
 1``, ``sft_loss_weight 0``) and the baseline, SFT on the chosen responses only (``preference_loss_weight
 0``, ``sft_loss_weight 1``: NeMo-RL's DPO loss with the preference term off). DPO raises the
 chosen-vs-rejected margin directly; SFT raises the chosen responses' likelihood and the
@@ -31,8 +31,8 @@ SMOLLM2 = [  # configs/grpo_smollm2.yaml's policy, on DPO pairs
 
 def run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     from flows.config import load_config
-    from flows.dpo import dpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.dpo import dpo
+    from flows.observe.metrics import read_metrics
 
     cfg = load_config(config, [*BASE, *overrides, f"dpo.max_num_steps={steps}", f"storage.root={os.path.join(tmp, tag)}"])
     rows = read_metrics(dpo(config=cfg, run_id=f"bench-{tag}")["metrics_uri"])

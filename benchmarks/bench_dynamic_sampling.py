@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_dynamic_sampling [--quick] [--steps N] [key=value ...]
 
-Two GRPO runs through ``flows.grpo.grpo`` on the same config and seed: the default (every
+Two GRPO runs through ``flows.algorithms.grpo.grpo`` on the same config and seed: the default (every
 generated group is trained on, zero-variance groups included) and ``grpo.use_dynamic_sampling``
 (groups whose rewards are all equal are dropped and more are generated until the batch is full).
 Prints per run: the share of trained groups with reward variance (the ones that carry a gradient),
@@ -33,8 +33,8 @@ def parity_reward(prompts: Sequence[str], responses: Sequence[str], answers: Seq
 def run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     import storage
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = os.path.join(tmp, tag)
     cfg = load_config(config, [*BASE, *overrides, f"grpo.max_num_steps={steps}", f"storage.root={root}"])

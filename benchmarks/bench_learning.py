@@ -35,8 +35,8 @@ PRESETS = {
 
 def run(config: str, overrides: list[str], steps: int, seed: int, tag: str, tmp: str) -> dict[str, Any]:
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = os.path.join(tmp, tag)
     cfg = load_config(config, [

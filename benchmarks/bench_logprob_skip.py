@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_logprob_skip [--quick] [--steps N] [key=value ...]
 
-Two GRPO runs through ``flows.grpo.grpo`` with one optimizer step per rollout batch and no KL
+Two GRPO runs through ``flows.algorithms.grpo.grpo`` with one optimizer step per rollout batch and no KL
 term: the default ratio (``pi / pi_old``: the ``logprob`` stage computes ``prev_logprobs``, which
 equal the trainer's own logprobs at that moment) and ``loss_fn.force_on_policy_ratio=true`` (ratio
 ``exp(log pi - sg(log pi)) = 1``: nothing reads the step's logprobs, the stage does not run). The
@@ -27,8 +27,8 @@ BASE = ["logger.step_subflows=false", "checkpointing.enabled=false", "grpo.val_p
 
 def run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = os.path.join(tmp, tag)
     cfg = load_config(config, [*BASE, *overrides, f"grpo.max_num_steps={steps}", f"storage.root={root}"])

@@ -38,7 +38,7 @@ the weight values (generation lengths are fixed), so the figures stand for SmolL
 ``--no-stand-in`` skips the part instead.
 
 **Learning** (unless ``--no-learning``): full vs LoRA rank 8 through the real flow
-(``flows.grpo.grpo``), same config, seed and steps. On SmolLM2-135M-Instruct exactly as
+(``flows.algorithms.grpo.grpo``), same config, seed and steps. On SmolLM2-135M-Instruct exactly as
 ``bench_learning`` runs it (no few-shot, exact-match reward; default 6 steps of 8 x 4, ~1 min per
 step on 2 cores), LoRA at 10x the full lr (1e-4); without the package, on the tiny model after one
 shared SFT warm start, as ``bench_async``'s learning part (``configs/grpo_tiny_demo.yaml``, its
@@ -317,8 +317,8 @@ def resources(config: str, model: str | None, label: str, overrides: list[str], 
 def learning_run(config: str, overrides: list[str], steps: int, tag: str, tmp: str) -> dict[str, Any]:
     """One GRPO flow run: per-step reward and held-out greedy accuracy before and after."""
     from flows.config import load_config
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = os.path.join(tmp, tag)
     cfg = load_config(config, [
@@ -346,7 +346,7 @@ def learning(mode: str, steps: int, sft_steps: int, lr_factor: float, overrides:
         label = f"SmolLM2-135M-Instruct ({os.path.basename(config)}, no few-shot, exact-match reward)"
     elif mode == "tiny-demo":
         from flows.demo import DEMO_CONFIG
-        from flows.sft import sft
+        from flows.algorithms.sft import sft
 
         warm = sft(config=DEMO_CONFIG, run_id="bench-lora-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"),
                    lr=3e-3)

@@ -2,9 +2,9 @@
 
 The same GRPO steps (same config, seed and kind of actors) run
 
-(a) through the Prefect flow ``flows.grpo.grpo``: one task per stage, every batch persisted as
+(a) through the Prefect flow ``flows.algorithms.grpo.grpo``: one task per stage, every batch persisted as
     Arrow and read back by the next stage, metrics line + artifacts per step;
-(b) as a plain Python loop (``flows.inmemory.run_in_memory``) calling the same stage functions
+(b) as a plain Python loop (``flows.algorithms.inmemory.run_in_memory``) calling the same stage functions
     on the same kind of actors with the batches kept in memory.
 
 Prints the median per-stage seconds of both (first step excluded as warm-up), the median step
@@ -42,9 +42,9 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def run_memory(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, float]:
-    from flows.inmemory import run_in_memory
-    from flows.run_layout import RunLayout
-    from flows.runtime import Runtime, load_tokenizer, namespace_for
+    from flows.algorithms.inmemory import run_in_memory
+    from nrl_tasks.run_layout import RunLayout
+    from flows.run.runtime import Runtime, load_tokenizer, namespace_for
     from nrl_tasks.stages.data import load_prompt_records
 
     run_id = f"bench-mem-{os.getpid()}"
@@ -69,9 +69,9 @@ Components = list[dict[str, float]]
 
 def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], Components]:
     """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
-    from flows.runtime import setup_runtime
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
+    from flows.run.runtime import setup_runtime
 
     run_id = f"bench-flow{tag}-{os.getpid()}"
     os.environ["NRL_KEEP_ACTORS"] = "1"
@@ -94,7 +94,7 @@ import json, os, sys
 from benchmarks._common import quiet_env
 quiet_env(prefect_home=sys.argv[1])
 from flows.config import load_config
-from flows.runtime import connect_ray
+from flows.run.runtime import connect_ray
 from benchmarks.bench_pipeline import run_flow
 cfg = load_config(sys.argv[2], json.loads(sys.argv[3]))
 os.makedirs(cfg.storage.root, exist_ok=True)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet_env(prefect_home=os.path.join(tmp, "prefect"))
 
     from flows.config import load_config
-    from flows.runtime import connect_ray
+    from flows.run.runtime import connect_ray
 
     overrides = [
         f"grpo.max_num_steps={steps}",

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--mlflow-uri", default=None, help="an MLflow server the run logs to (its UI is captured)")
     args = ap.parse_args(argv)
-    from flows.artifacts import artifact_key
+    from flows.observe.artifacts import artifact_key
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="nrl-tour-")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # the eval sweep on a cron schedule: its first scheduled run
         serve_code = (
-            "from flows.evaluate import eval_sweep\n"
+            "from flows.algorithms.evaluate import eval_sweep\n"
             f"eval_sweep.serve(name='eval-sweep', cron='* * * * *', parameters={{'target': {root!r}, 'num_samples': 4}})\n"
         )
         served = procs.start([sys.executable, "-c", serve_code], env, os.path.join(tmp, "serve.log"))

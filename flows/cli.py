@@ -11,7 +11,7 @@
 ``key=value`` overrides may come before, between or after the options. Defaults: storage
 ``./runs``; no ``PREFECT_API_URL`` -> Prefect's ephemeral API; no Ray address
 (``cluster.ray.address`` or ``RAY_ADDRESS``) -> a local Ray. The command line, the config and
-the storage URI are validated before anything starts (with :func:`flows.preflight.preflight`:
+the storage URI are validated before anything starts (with :func:`flows.config.preflight.preflight`:
 reward plug-in, prompt files, a local Ray's size; and the run's lease: one writer per run): a bad
 one prints one clear error and exits with status 2 without starting Ray or a flow run, or writing
 anything. ``nrl runs`` and ``nrl eval`` create nothing: their storage root must exist.
@@ -107,8 +107,8 @@ def _start(kind: str, config: str, overrides: list[str], storage: str | None, ru
     if (blank := _blank(storage=storage, run_id=run_id)) is not None:
         return _error(blank)
     from flows.config import ConfigError
-    from flows.preflight import preflight
-    from flows.run_config import new_run_id, resolve_config
+    from flows.config.preflight import preflight
+    from flows.config.resolve import new_run_id, resolve_config
     from nrl_tasks.run_layout import RunLayout, validate_run_id
     from storage import fs
 
@@ -126,9 +126,9 @@ def _start(kind: str, config: str, overrides: list[str], storage: str | None, ru
         return _error(str(exc))
     print(f"nrl: {'dpo run' if kind == 'dpo' else 'run'} {run_id} -> {layout.run_uri}", flush=True)
     if kind == "dpo":
-        from flows.dpo import dpo as flow
+        from flows.algorithms.dpo import dpo as flow
     else:
-        from flows.grpo import grpo as flow
+        from flows.algorithms.grpo import grpo as flow
     return run_flow(lambda: flow(config=config, run_id=run_id, overrides=overrides, storage=cfg.storage.root), layout)
 
 
@@ -150,15 +150,15 @@ def resume(
         recompute: STAGE@STEP (repeatable): recompute one stage of one step, e.g. generate@3: in a step
             not trained yet the stage and what depends on it in that step; in a trained step after the last
             checkpoint only that dataset, which must reproduce the step's recorded weights checksum (see
-            flows/recompute.py)
+            flows/run/recompute.py)
         take_over: take the run's lease from a holder that looks live but is gone (its machine died) before
             the lease expires
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.preflight import preflight
-    from flows.run_config import resolve_config
-    from flows.run_start import plan_start
+    from flows.config.preflight import preflight
+    from flows.config.resolve import resolve_config
+    from flows.run.start import plan_start
     from nrl_tasks.run_layout import RunLayout, validate_run_id
 
     overrides_, recompute = list(overrides), list(recompute or [])
@@ -173,9 +173,9 @@ def resume(
             preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
-    from flows.run_lease import live_holder
-    from flows.run_process import describe_status
-    from flows.run_state import read_status
+    from flows.run.lease import live_holder
+    from flows.run.process import describe_status
+    from flows.run.state import read_status
 
     holder = live_holder(layout, opts)
     if holder is not None and not take_over:  # one writer per run: refused before anything starts
@@ -189,10 +189,10 @@ def resume(
     kwargs = {"config": None, "run_id": run_id, "resume": True, "overrides": overrides_, "storage": cfg.storage.root,
               "take_over": take_over}
     if cfg.dpo is not None:
-        from flows.dpo import dpo as dpo_flow
+        from flows.algorithms.dpo import dpo as dpo_flow
 
         return run_flow(lambda: dpo_flow(**kwargs), layout)
-    from flows.grpo import grpo as grpo_flow
+    from flows.algorithms.grpo import grpo as grpo_flow
 
     return run_flow(lambda: grpo_flow(**kwargs, recompute=recompute or None), layout)
 
@@ -212,23 +212,23 @@ def eval_(
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.storage_root import check_storage_root
+    from flows.run.storage_root import check_storage_root
 
     try:
         if "/" in target or "://" in target:  # a prefix holding runs: it must exist and hold some
-            from flows.run_state import list_runs
+            from flows.run.state import list_runs
 
             prefix = check_storage_root(target, create=False)
             if not list_runs(prefix):
                 raise ValueError(f"no runs under {target!r}")
         else:
-            from flows.evaluate import load_run_config
+            from flows.algorithms.evaluate import load_run_config
             from nrl_tasks.run_layout import validate_run_id
 
             load_run_config(validate_run_id(target), check_storage_root(storage, create=False))
     except ValueError as exc:
         return _error(str(exc))
-    from flows.evaluate import eval_sweep
+    from flows.algorithms.evaluate import eval_sweep
 
     try:
         res = eval_sweep(target, storage=storage, dataset=dataset, num_samples=num_samples, max_prompts=max_prompts)
@@ -257,8 +257,8 @@ def runs(*, storage: str = "./runs") -> int:
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.run_state import list_runs
-    from flows.storage_root import check_storage_root
+    from flows.run.state import list_runs
+    from flows.run.storage_root import check_storage_root
 
     try:
         root = check_storage_root(storage, create=False)
@@ -280,7 +280,7 @@ def _config_sections() -> str:
     """The config model's sections, for the help of the commands that take ``key=value`` overrides."""
     from flows.config import MasterConfig
 
-    return "Config sections (key=value overrides; flows/config.py): " + ", ".join(MasterConfig.model_fields) + "."
+    return "Config sections (key=value overrides; flows/config/__init__.py): " + ", ".join(MasterConfig.model_fields) + "."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,7 +61,7 @@ def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
         try:
             result = call()
         except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
-            from flows.run_lease import lease_refusal
+            from flows.run.lease import lease_refusal
 
             if signals.received == signal.SIGTERM:
                 print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)

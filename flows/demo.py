@@ -2,7 +2,7 @@
 
 1. prepares the tiny built-in model (made locally, nothing downloaded);
 2. ``nrl grpo --config configs/grpo_tiny_demo.yaml``: the GRPO flow first runs the config's
-   short SFT warm start (``warm_start.sft_steps``, :mod:`flows.warm_start`) so the model knows the
+   short SFT warm start (``warm_start.sft_steps``, :mod:`flows.algorithms.warm_start`) so the model knows the
    answer format and is right some of the time (single-digit addition, exact-match reward), then
    GRPO from those weights: the mean reward rises over the steps;
 3. prints the reward curve and where the metrics, artifacts and checkpoints are.
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, run_id: str, t0: float) -> int:
-    from flows.metrics import read_metrics
-    from flows.run_layout import RunLayout
-    from flows.run_state import normalize_root
+    from flows.observe.metrics import read_metrics
+    from nrl_tasks.run_layout import RunLayout
+    from flows.run.state import normalize_root
 
     layout = RunLayout(normalize_root(args.storage), run_id)
     rows = read_metrics(layout.metrics_uri)

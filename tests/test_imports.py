@@ -114,7 +114,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     graph = _graph()
     assert "nrl_tasks.stages.errors" in graph["nrl_tasks.stages.refit"]
-    assert "flows.config" in graph["flows.run_config"]
+    assert "flows.config" in graph["flows.config.resolve"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

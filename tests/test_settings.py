@@ -57,8 +57,8 @@ def test_storage_settings(monkeypatch):
 
 
 def test_views_keep_their_names(monkeypatch):
-    from flows.plugins import PluginSettings
-    from flows.run_lease import LeaseSettings
+    from flows.run.plugins import PluginSettings
+    from flows.run.lease import LeaseSettings
 
     monkeypatch.setenv("NRL_LEASE_TTL_S", "5")
     monkeypatch.setenv("NRL_PLUGINS", "a.b")

@@ -45,7 +45,7 @@ FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:freeze, poli
 
 @pytest.fixture(scope="module")
 def faulted_run(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.faults import injection as faults
 
     root = str(tmp_path_factory.mktemp("faulted"))
@@ -102,7 +102,7 @@ def test_policy_worker_killed_during_train_replays_and_matches(faulted_run):
 
 def test_metrics_lines_count_the_attempts(faulted_run):
     """Each retried stage shows the attempt that succeeded in its step's metrics line."""
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     rows = read_metrics(os.path.join(faulted_run["root"], RUN_ID, "metrics.jsonl"))
     got = {r["step"]: (r["generate_attempts"], r["logprob_attempts"], r["train_attempts"], r["refit_attempts"]) for r in rows}
@@ -134,8 +134,8 @@ def test_refit_producer_killed_mid_broadcast(faulted_run):
     import ray
 
     from flows.config import load_config
-    from flows.recovery import recover
-    from flows.runtime import build_run_context, setup_runtime
+    from flows.run.recovery import recover
+    from flows.run.runtime import build_run_context, setup_runtime
     from nrl_tasks.stages.errors import is_actor_fault
     from nrl_tasks.stages.refit import abort_refit, refit_weights
     from tests.faults import injection as faults
@@ -178,7 +178,7 @@ def test_stage_retries_zero_fails_the_stage_on_an_actor_fault(prefect_harness, r
     the ``train`` task at its first attempt, and with it the run (status ``failed``, step not trained)."""
     import json
 
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.faults import injection as faults
     from nrl_tasks.stages.errors import is_actor_fault
 

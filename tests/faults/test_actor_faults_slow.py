@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(cfg: dict, run_id: str, faults_spec: str, log: str) -> dict:
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.faults import injection as faults
 
     env = {faults.ACTOR_ENV_VAR: faults_spec, faults.LOG_ENV_VAR: log}

@@ -33,7 +33,7 @@ STEPS = (1, 2, 3, 4)
 
 def _same_as_reference(root: str, run_id: str, async_run: dict) -> None:
     import storage
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
     from nrl_tasks.stages.schedule import StepSchedule
 
     ref = async_run["root"]
@@ -52,7 +52,7 @@ def _same_as_reference(root: str, run_id: str, async_run: dict) -> None:
 
 
 def test_reference_async_run_validates_and_records_is_weights(async_run):
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     rows = read_metrics(os.path.join(async_run["root"], ASYNC_RUN_ID, "metrics.jsonl"))
     assert [r["step"] for r in rows if r.get("val_accuracy") is not None] == [2, 4]
@@ -91,7 +91,7 @@ def test_async_flow_killed_then_resumed(kill_at, tmp_path, prefect_harness, ray_
 
 @pytest.mark.parametrize("faults", ["generation:generate@3", "policy:train@3"])
 def test_async_actor_killed_mid_call_recovers_in_run(faults, tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run):
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.faults import injection
 
     role, rest = faults.split(":")

@@ -101,14 +101,14 @@ def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir
     """A run on a file dataset with an over-long (or malformed) prompt stops at data loading:
     one clear error, Ray never contacted, no data snapshot committed."""
     import storage
-    import flows.runtime
-    from flows.runtime import setup_runtime
+    import flows.run.runtime
+    from flows.run.runtime import setup_runtime
     from nrl_tasks.run_layout import join_uri
 
     def tripwire(*a, **k):
         raise AssertionError("Ray was contacted despite bad input")
 
-    monkeypatch.setattr(flows.runtime, "connect_ray", tripwire)
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", tripwire)
     good = [{"prompt": f"What is {i}+1? Answer:", "answer": str(i + 1)} for i in range(8)]
     cases = {
         "long.jsonl": (good + [{"prompt": "What is 1+1? " * 40, "answer": "2"}], "longer than"),
@@ -133,7 +133,7 @@ def _score_with(reward_fn: str, tmp_path):
     import types
 
     import storage
-    from flows.runtime import build_run_context
+    from flows.run.runtime import build_run_context
     from nrl_tasks.run_layout import RunLayout
     from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.score import score
@@ -161,7 +161,7 @@ def _score_with(reward_fn: str, tmp_path):
 
 
 def test_nan_rewards_are_masked_and_counted_in_the_metrics_line(tmp_path):
-    from flows.metrics import build_step_metrics
+    from flows.observe.metrics import build_step_metrics
     from nrl_tasks.stages.advantages import compute_advantages
 
     cfg, out, rewards, rollouts = _score_with("tests.faults.reward_plugins:nan_for_long_responses", tmp_path)
@@ -222,7 +222,7 @@ def test_bad_configs_list_every_problem(overrides, needles):
 
 # --------------------------------------------------------------------------- storage roots
 def test_storage_roots_that_cannot_hold_a_run(tmp_path, moto_s3):
-    from flows.run_state import check_storage_root
+    from flows.run.state import check_storage_root
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -254,15 +254,15 @@ def test_storage_roots_that_cannot_hold_a_run(tmp_path, moto_s3):
 
 
 def test_cli_refuses_an_unwritable_storage_root_before_anything_starts(monkeypatch, capsys):
-    import flows.grpo
-    import flows.runtime
+    import flows.algorithms.grpo
+    import flows.run.runtime
     from flows.cli import main
 
     def tripwire(*a, **k):
         raise AssertionError("a run started despite an unusable storage root")
 
-    monkeypatch.setattr(flows.runtime, "connect_ray", tripwire)
-    monkeypatch.setattr(flows.grpo, "grpo", tripwire)
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", tripwire)
+    monkeypatch.setattr(flows.algorithms.grpo, "grpo", tripwire)
     root = "/sys/nrl-runs" if os.geteuid() == 0 else "/proc/nrl-runs"
     assert main(["grpo", "--config", TINY_CONFIG, "--storage", root]) == 2
     err = capsys.readouterr().err

@@ -35,7 +35,7 @@ def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_
     import storage
 
     from flows.cli import main
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     base = e2e_run["root"]
     root = str(tmp_path / "runs")
@@ -49,7 +49,7 @@ def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_
     assert main(["resume", RUN_ID, "--storage", root]) == 2
     err = capsys.readouterr().err
     assert shard in err and "CorruptDatasetError" in err, err
-    assert f"--recompute generate@3" in err, err
+    assert "--recompute generate@3" in err, err
     assert not os.path.exists(os.path.join(root, RUN_ID, "checkpoints", "step_000003"))  # nothing ran
 
     try:

@@ -44,7 +44,7 @@ def test_disk_full_mid_run_then_resume_is_bit_identical(point, small_disk, e2e_r
         out = p.stdout + p.stderr
         assert p.returncode == 1, out[-3000:]
         assert "No space left on device" in out and root in out, out[-3000:]
-        from flows.run_state import list_runs
+        from flows.run.state import list_runs
 
         with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
             status = json.load(fh)["status"]

@@ -17,7 +17,7 @@ def test_fault_hook_parsing_and_noop(monkeypatch):
 
 
 def test_installed_through_nrl_plugins():
-    from flows.plugins import PluginSettings, load_observers
+    from flows.run.plugins import PluginSettings, load_observers
     from tests.faults.injection import FaultInjector
 
     obs = load_observers(PluginSettings(plugins="tests.faults.injection"))

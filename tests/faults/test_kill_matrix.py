@@ -74,7 +74,7 @@ def test_flow_killed_at_stage_then_resumed(
         assert checkpoint_bytes(root, run_id, step) == checkpoint_bytes(baseline, E2E_RUN_ID, step), step
     for step in (1, 2, 3):
         assert train_checksum(root, run_id, step) == train_checksum(baseline, E2E_RUN_ID, step), step
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     assert [r["step"] for r in read_metrics(os.path.join(root, run_id, "metrics.jsonl"))] == [1, 2, 3]
     with open(os.path.join(root, run_id, "status.json")) as fh:

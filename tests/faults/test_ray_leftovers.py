@@ -4,13 +4,13 @@ when it is SIGKILLed and then resumed.
 ``nrl grpo`` without a Ray address (1 step of the tiny config, real Prefect API):
 
 - **Failed**: ``NRL_FAULT_KILL_ACTOR_AT=policy:train@1`` with no stage retries; the flow's
-  ``finally`` stops the Ray it started (:func:`flows.runtime.shutdown_local_ray`). Checked while
+  ``finally`` stops the Ray it started (:func:`flows.run.runtime.shutdown_local_ray`). Checked while
   the process that ran the flow still lives (a long-lived caller, like a worker), so Ray's own
   exit hook is not what stopped it.
 - **SIGKILLed, then resumed**: ``NRL_FAULT_KILL_AT=train@1:after``. The GCS and raylet die with
   the flow process, but Ray 2.60's dashboard and runtime-env agents hang for 60 s reporting it to
   the dead GCS, deaf to SIGTERM; ``nrl runs`` shows the run as crashed; ``nrl resume`` stops what
-  is left of that session (:func:`flows.run_process.reap_local_ray`) and completes.
+  is left of that session (:func:`flows.run.process.reap_local_ray`) and completes.
 
 Every process the ``nrl`` commands started is tracked while they run (psutil, by PID), and every
 process holding the recorded session directory open is looked up afterwards: none of them may be
@@ -192,7 +192,7 @@ def test_failed_flow_stops_its_local_ray(own_ray_config, prefect_harness):
 def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, capsys):
     """Also the ephemeral Prefect API server (no ``PREFECT_API_URL``): orphaned by the SIGKILL,
     stopped by the resume (it is among the tracked processes that must all be gone)."""
-    from flows.run_state import list_runs
+    from flows.run.state import list_runs
 
     cfg, root = own_ray_config
     first = Nrl(["grpo", "--config", cfg, "--run-id", "killed"], None, NRL_FAULT_KILL_AT="train@1:after")

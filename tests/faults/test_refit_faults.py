@@ -33,7 +33,7 @@ VERSION = 3
 @pytest.fixture(scope="module")
 def two_worker_rt(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
     from flows.config import load_config
-    from flows.runtime import setup_runtime
+    from flows.run.runtime import setup_runtime
     from nrl_tasks.stages.checkpoint import restore_checkpoint
 
     root = str(tmp_path_factory.mktemp("refit"))
@@ -45,8 +45,8 @@ def two_worker_rt(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_pat
         },
     )
     cfg = load_config(data)
-    from flows.plugins import load_observers
-    from flows.runtime import build_run_context
+    from flows.run.plugins import load_observers
+    from flows.run.runtime import build_run_context
 
     rt = setup_runtime(cfg, RUN_ID)
     ck = os.path.join(e2e_run["root"], E2E_RUN_ID, "checkpoints", f"step_{VERSION:06d}")
@@ -69,8 +69,8 @@ def _stale_refusal(worker, version) -> None:
 
 def _refit_like_the_flow(run, step: int):
     """What the flow does about a failed refit: the attempt fails (aborted, recorded on the run), the
-    workers that are dead or stuck are re-created (:mod:`flows.recovery`), the refit runs again."""
-    from flows.runtime import recreate_generation
+    workers that are dead or stuck are re-created (:mod:`flows.run.recovery`), the refit runs again."""
+    from flows.run.runtime import recreate_generation
     from nrl_tasks.stages.errors import is_actor_fault
     from nrl_tasks.stages.health import generation_responsive
     from nrl_tasks.stages.refit import refit

@@ -156,7 +156,7 @@ def test_score_stage_rides_out_an_outage(server):
     import types
 
     from flows.config import load_config
-    from flows.runtime import build_run_context
+    from flows.run.runtime import build_run_context
     from nrl_tasks.run_layout import RunLayout
     from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.score import score

@@ -18,7 +18,7 @@ from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_confi
 
 @pytest.mark.slow
 def test_sharded_run_killed_in_train_resumes_bit_identical(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     root = str(tmp_path / "runs")
     cfg_path = tmp_path / "cfg.yaml"

@@ -28,7 +28,7 @@ MENU = {
 
 def test_reinforce_plus_plus_and_loss_variants_run_end_to_end(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     root = str(tmp_path / "runs")
     cfg = tiny_run_config(tiny_model_dir, root, ray_session, **MENU)

@@ -29,7 +29,7 @@ def _task_runs(run_id: str) -> list:
 
 
 def _run(tmp_path, tiny_model_dir, ray_session, run_id: str) -> str:
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     root = str(tmp_path / "runs")
     cfg = tiny_run_config(tiny_model_dir, root, ray_session, **ASYNC)
@@ -42,7 +42,7 @@ def _run(tmp_path, tiny_model_dir, ray_session, run_id: str) -> str:
 
 def test_async_run_follows_the_schedule_and_overlaps(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
     from nrl_tasks.stages.schedule import StepSchedule
 
     root = _run(tmp_path, tiny_model_dir, ray_session, "async-a")
@@ -67,7 +67,7 @@ def test_extending_an_async_run_generates_the_missing_step_on_its_own_version(
     than the policy's 3, so the resume restores checkpoint 2, generates step 4 on it, replays step 3
     and trains 4: the weights equal the uninterrupted 4-step run's, step for step."""
     import storage
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.faults.helpers import train_checksum
     from tests.fixtures.grpo_runs import ASYNC_OVERRIDES, ASYNC_RUN_ID
 

@@ -51,11 +51,11 @@ def _count_flow_runs() -> int:
 def test_bad_input_starts_nothing(args, needle, prefect_harness, monkeypatch, capsys):
     import ray
 
-    import flows.runtime
+    import flows.run.runtime
     from flows.cli import main
 
     started = []
-    monkeypatch.setattr(flows.runtime, "connect_ray", lambda *a, **k: started.append("connect_ray"))
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", lambda *a, **k: started.append("connect_ray"))
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
     before = _count_flow_runs()
     rc = main(args)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flows.config import ConfigError, config_hash, config_to_yaml, load_config, redact, saved_config_hash
-from flows.overrides import apply_overrides, parse_value
+from flows.config.overrides import apply_overrides, parse_value
 
 TINY = "configs/grpo_tiny.yaml"
 
@@ -128,7 +128,7 @@ def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
     """``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``: defaults from the stage errors module, set
     from YAML or ``key=value``, validated, turned into the flow's retry budget, and outside the config
     hash (a resume may change them)."""
-    from flows.recovery import RetryBudget
+    from flows.run.recovery import RetryBudget
     from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
 
     base = load_config(TINY)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flows.config import config_hash, load_config
-from flows.config_io import ConfigError
+from flows.config.io import ConfigError
 from tests.fixtures.grpo_runs import TINY_CONFIG
 
 
@@ -45,7 +45,7 @@ def test_train_path_implies_the_file_dataset_or_is_refused(tmp_path):
 
 
 def test_flow_refuses_a_reward_fn_that_does_not_import_before_anything_starts(tmp_path):
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     root = tmp_path / "runs"
     with pytest.raises(ValueError, match="env.reward_fn: .*no_such_module"):
@@ -70,7 +70,7 @@ def test_dynamic_sampling_keys_and_their_combinations():
 
 
 def test_recompute_of_sampled_datasets_is_refused_with_dynamic_sampling():
-    from flows.recompute import check_recompute_config
+    from flows.run.recompute import check_recompute_config
 
     cfg = load_config(TINY_CONFIG, ["grpo.use_dynamic_sampling=true"])
     with pytest.raises(ValueError, match=r"--recompute rewards@2.*grpo.use_dynamic_sampling"):

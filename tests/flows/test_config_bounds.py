@@ -168,15 +168,15 @@ def test_shipped_configs_load(path):
 
 
 def test_cli_refuses_infinite_lr_and_boolean_steps(tmp_path, monkeypatch, capsys):
-    import flows.grpo
-    import flows.runtime
+    import flows.algorithms.grpo
+    import flows.run.runtime
     from flows.cli import main
 
     def tripwire(*a, **k):
         raise AssertionError("a run started despite a bad config")
 
-    monkeypatch.setattr(flows.runtime, "connect_ray", tripwire)
-    monkeypatch.setattr(flows.grpo, "grpo", tripwire)
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", tripwire)
+    monkeypatch.setattr(flows.algorithms.grpo, "grpo", tripwire)
     argv = ["grpo", "--config", TINY_CONFIG, "--storage", str(tmp_path / "runs")]
     assert main(argv + ["policy.optimizer.kwargs.lr=.inf", "grpo.max_num_steps=true"]) == 2
     err = capsys.readouterr().err

@@ -134,14 +134,14 @@ def test_saved_config_text_errors_name_the_saved_file():
 
 
 def _tripwire(monkeypatch):
-    import flows.grpo
-    import flows.runtime
+    import flows.algorithms.grpo
+    import flows.run.runtime
 
     def tripwire(*a, **k):
         raise AssertionError("a run started despite a bad config")
 
-    monkeypatch.setattr(flows.runtime, "connect_ray", tripwire)
-    monkeypatch.setattr(flows.grpo, "grpo", tripwire)
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", tripwire)
+    monkeypatch.setattr(flows.algorithms.grpo, "grpo", tripwire)
 
 
 def test_cli_grpo_reports_a_bad_config_file_in_one_line(tmp_path, monkeypatch, capsys):
@@ -162,7 +162,7 @@ def test_cli_grpo_reports_a_bad_config_file_in_one_line(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("text, needle", [("", "is empty"), ("grpo: [1, 2\n", "cannot be read as YAML")])
 def test_cli_resume_reports_an_empty_or_corrupt_saved_config(tmp_path, monkeypatch, capsys, text, needle):
     from flows.cli import main
-    from flows.run_layout import RunLayout
+    from nrl_tasks.run_layout import RunLayout
 
     _tripwire(monkeypatch)
     root = str(tmp_path / "runs")

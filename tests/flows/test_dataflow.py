@@ -4,7 +4,7 @@ subflow under the run's flow run tagged with the run id, its stage task runs are
 run and the stage, and their upstream edges are the data flow (train <- rollouts, logprobs, advantages; logprob <- generate;
 score <- generate; advantages <- generate, score; generate <- prompts; refit <- train).
 
-Plus the in-memory step (``flows/inmemory.py``, no Prefect, no persistence) on fresh actors ends
+Plus the in-memory step (``flows/algorithms/inmemory.py``, no Prefect, no persistence) on fresh actors ends
 with bit-identical weights: the flow and the readable loop are the same algorithm."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_steps_are_named_subflows_with_data_edges(e2e_run):
         inside = {_stage(t): t for t in tasks if t.flow_run_id == sub.id}
         assert set(inside) >= {"prompts", "generate", "score", "logprob", "advantages", "train", "refit"}, sorted(inside)
         for stage, t in inside.items():
-            assert f"-{RUN_ID}-" in t.name and not t.tags, (stage, t.name, t.tags)  # no tag leases (see flows/step.py)
+            assert f"-{RUN_ID}-" in t.name and not t.tags, (stage, t.name, t.tags)  # no tag leases (see flows/algorithms/step.py)
         for stage, args in EDGES.items():
             got = inside[stage].task_inputs
             for arg, upstream in args.items():
@@ -67,8 +67,8 @@ def test_steps_are_named_subflows_with_data_edges(e2e_run):
 
 def test_in_memory_loop_ends_bit_identical_to_the_flow(e2e_run, ray_session):
     from flows.config import load_config
-    from flows.inmemory import run_in_memory
-    from flows.runtime import Runtime, load_tokenizer
+    from flows.algorithms.inmemory import run_in_memory
+    from flows.run.runtime import Runtime, load_tokenizer
     from nrl_tasks.run_layout import RunLayout, namespace_for
     from nrl_tasks.stages.data import load_prompt_records
     from tests.faults.helpers import train_checksum
@@ -95,7 +95,7 @@ def test_without_step_subflows_the_tasks_join_the_run_flow_with_the_same_edges(p
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
 
     run_id = "flat-steps"

@@ -48,7 +48,7 @@ def _config(tmp_path, model_dir: str, root: str, ray_address: str | None) -> dic
 
 @pytest.fixture(scope="module")
 def dpo_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
-    from flows.dpo import dpo
+    from flows.algorithms.dpo import dpo
 
     tmp = tmp_path_factory.mktemp("dpo")
     root = str(tmp / "runs")
@@ -62,7 +62,7 @@ def dpo_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
 
 def test_margin_rises_and_every_step_is_persisted(dpo_run):
     import storage
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     root = dpo_run["root"]
     rows = read_metrics(os.path.join(root, RUN_ID, "metrics.jsonl"))
@@ -102,7 +102,7 @@ def test_killed_mid_update_then_resumed_is_bit_identical(dpo_run, tmp_path, pref
     assert status["restored"] == {"restored_from": os.path.join(root, run_id, "checkpoints", "step_000003"), "replayed": [4]}
     ref = dpo_run["root"]
     assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     assert [r["step"] for r in read_metrics(os.path.join(root, run_id, "metrics.jsonl"))] == list(STEPS)
 

@@ -45,7 +45,7 @@ def _step_dir(root: str, run_id: str, step: int) -> str:
 
 @pytest.fixture(scope="module")
 def ds_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     root = str(tmp_path_factory.mktemp("dapo"))
     cfg = tiny_run_config(tiny_model_dir, root, ray_session, **OVERRIDES)
@@ -58,7 +58,7 @@ def ds_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
 
 def test_each_step_trains_on_groups_with_reward_variance_from_its_generation_batches(ds_run):
     import storage
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     root = ds_run["root"]
     rows = {r["step"]: r for r in read_metrics(os.path.join(root, RUN_ID, "metrics.jsonl"))}
@@ -123,7 +123,7 @@ def test_killed_while_sampling_then_resumed_is_bit_identical(ds_run, tmp_path, p
 
 
 def test_rewards_that_never_vary_fail_after_the_last_generation_batch(tmp_path, prefect_harness, ray_session, tiny_model_dir):
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from nrl_tasks.algorithms.dynamic_sampling import DynamicSamplingError
 
     root = str(tmp_path / "runs")

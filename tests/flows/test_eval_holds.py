@@ -21,7 +21,7 @@ CHECKPOINTS = ("step_000002", "step_000004")
 @pytest.fixture
 def eval_run(tmp_path, tiny_model_dir, ray_session, prefect_harness):
     """A run with two committed checkpoints (the tiny model's weights) and its saved config."""
-    from flows.run_layout import RunLayout
+    from nrl_tasks.run_layout import RunLayout
 
     root = str(tmp_path / "runs")
     layout = RunLayout(root, RUN_ID)
@@ -44,7 +44,7 @@ def _committed_evals(layout) -> list[str]:
 
 
 def test_checkpoint_deleted_mid_sweep_is_skipped(eval_run, monkeypatch):
-    from flows.evaluate import eval_sweep
+    from flows.algorithms.evaluate import eval_sweep
     from nrl_tasks.stages import checkpoint
 
     real = checkpoint.local_checkpoint_dir
@@ -64,8 +64,8 @@ def test_checkpoint_deleted_mid_sweep_is_skipped(eval_run, monkeypatch):
 
 
 def test_retention_during_an_evaluation_keeps_its_checkpoint(eval_run, monkeypatch):
-    from flows.evaluate import eval_sweep
-    from flows.retention import RetentionPolicy, apply_retention
+    from flows.algorithms.evaluate import eval_sweep
+    from flows.run.retention import RetentionPolicy, apply_retention
     from nrl_tasks.stages import checkpoint
 
     layout, pol = eval_run["layout"], RetentionPolicy(keep_last_n_checkpoints=1)
@@ -85,7 +85,7 @@ def test_retention_during_an_evaluation_keeps_its_checkpoint(eval_run, monkeypat
 
 
 def test_two_concurrent_sweeps_evaluate_each_checkpoint_once(eval_run):
-    from flows.evaluate import _eval_rows, eval_sweep
+    from flows.algorithms.evaluate import _eval_rows, eval_sweep
 
     start = threading.Barrier(2)
     results, errors = [], []

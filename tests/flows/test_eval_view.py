@@ -1,4 +1,4 @@
-"""The eval view (:mod:`flows.eval_view`): pure tests of its markdown, then a real tiny GRPO run
+"""The eval view (:mod:`flows.observe.eval_view`): pure tests of its markdown, then a real tiny GRPO run
 swept twice against the session's Prefect test server: one artifact version after the first sweep
 and still one after the second (nothing new), the sweep's flow run named after its target and
 time and tagged with the run it evaluated."""
@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from flows.eval_view import eval_view_markdown, flow_run_url, target_label, uri_link, view_digest
-from flows.run_summary import sparkline
+from flows.observe.eval_view import eval_view_markdown, flow_run_url, target_label, uri_link, view_digest
+from flows.observe.summary import sparkline
 
 RUN_ID = "eval-view"
 
@@ -116,7 +116,7 @@ def _flow_run(state):
 @pytest.fixture(scope="module")
 def trained_run(prefect_harness, ray_session, tiny_model_dir, tmp_path_factory):
     """A 2-step run of ``configs/grpo_tiny.yaml`` with a checkpoint after each step."""
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
     from tests.flows.conftest import kill_run_actors, tiny_run_config
 
     root = str(tmp_path_factory.mktemp("evalview-runs"))
@@ -133,8 +133,8 @@ def test_eval_sweep_publishes_the_view_once_and_names_its_runs(trained_run, pref
     import json
     import os
 
-    from flows.artifacts import artifact_key
-    from flows.evaluate import eval_sweep, evaluate_checkpoint
+    from flows.observe.artifacts import artifact_key
+    from flows.algorithms.evaluate import eval_sweep, evaluate_checkpoint
 
     root = trained_run
     label = target_label(root)

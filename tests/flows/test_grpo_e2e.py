@@ -28,8 +28,8 @@ def _client_call(fn):
 def test_persisted_datasets_and_metrics(e2e_run):
     import storage
 
-    from flows.metrics import read_metrics
-    from flows.run_layout import RunLayout
+    from flows.observe.metrics import read_metrics
+    from nrl_tasks.run_layout import RunLayout
 
     layout = RunLayout(e2e_run["root"], RUN_ID)
     for step in (1, 2, 3):
@@ -62,7 +62,7 @@ def test_checkpoints_are_hf_loadable(e2e_run):
     from transformers import AutoModelForCausalLM
 
     from nrl_tasks.stages.checkpoint import list_checkpoints
-    from flows.run_layout import RunLayout
+    from nrl_tasks.run_layout import RunLayout
 
     cks = list_checkpoints(RunLayout(e2e_run["root"], RUN_ID).checkpoints_uri)
     assert [s for s, _ in cks] == [2, 3]
@@ -77,7 +77,7 @@ def test_checkpoints_are_hf_loadable(e2e_run):
 def test_prefect_state_and_artifacts(e2e_run):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
 
-    from flows.artifacts import artifact_key
+    from flows.observe.artifacts import artifact_key
 
     async def query(client):
         runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=RUN_ID)))
@@ -145,8 +145,8 @@ def test_refit_failure_leaves_workers_stale_then_retry_succeeds(e2e_run, monkeyp
 def test_eval_sweep_twice(e2e_run, prefect_harness):
     import storage
 
-    from flows.evaluate import eval_sweep
-    from flows.run_layout import RunLayout
+    from flows.algorithms.evaluate import eval_sweep
+    from nrl_tasks.run_layout import RunLayout
 
     root = e2e_run["root"]
     first = eval_sweep(RUN_ID, storage=root, num_samples=2, max_prompts=4)
@@ -166,7 +166,7 @@ def test_eval_sweep_twice(e2e_run, prefect_harness):
 def test_evaluate_checkpoint_on_a_user_dataset(e2e_run, prefect_harness, tmp_path):
     import storage
 
-    from flows.evaluate import evaluate_checkpoint
+    from flows.algorithms.evaluate import evaluate_checkpoint
 
     data = tmp_path / "heldout.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i}+2? Answer:", "answer": str(i + 2)}) + "\n" for i in range(3)))

@@ -18,8 +18,8 @@ ON_POLICY = {"loss_fn.force_on_policy_ratio": True, "loss_fn.reference_policy_kl
 @pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_logprob_stage_skipped_and_resume_replays_without_it(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = str(tmp_path / "runs")
     cfg = tiny_run_config(tiny_model_dir, root, ray_session, **ON_POLICY)
@@ -39,7 +39,7 @@ def test_logprob_stage_skipped_and_resume_replays_without_it(tmp_path, prefect_h
 
 def test_force_on_policy_ratio_needs_one_update_per_batch(tiny_model_dir):
     from flows.config import load_config
-    from flows.config_io import ConfigError
+    from flows.config.io import ConfigError
     from tests.fixtures.grpo_runs import TINY_CONFIG
 
     with pytest.raises(ConfigError) as ei:

@@ -17,7 +17,7 @@ from tests.flows.conftest import kill_run_actors, tiny_run_config
 
 def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     with open("configs/grpo_tiny_lora.yaml", encoding="utf-8") as fh:
         lora = yaml.safe_load(fh)["policy"]["dtensor_cfg"]["lora_cfg"]
@@ -31,7 +31,7 @@ def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_
     finally:
         kill_run_actors("lora-tiny")
     assert out["final_metrics"]["step"] == 2
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
     from nrl_tasks.models.generation.hf_worker import hf_refit_named_tensors
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +49,7 @@ def test_lora_grpo_two_steps(tmp_path, prefect_harness, ray_session, tiny_model_
     diff = (gen["generation_logprobs"][:, 1:] - lp["prev_logprobs"][:, 1:]).abs()[mask]
     assert bool(mask.any()) and float(diff.max()) < 1e-3, float(diff.max())
     # the eval sweep evaluates the adapter checkpoints as they are (base + adapter, merged on load)
-    from flows.evaluate import eval_sweep
+    from flows.algorithms.evaluate import eval_sweep
 
     res = eval_sweep("lora-tiny", storage=root, num_samples=2, max_prompts=4)
     assert sorted(res["evaluated"]) == ["lora-tiny/step_000002"], res
@@ -62,8 +62,8 @@ def test_lora_async_with_two_data_parallel_ranks(tmp_path, prefect_harness, ray_
     adapters train): 3 steps complete with checksum-verified adapters-only refits, each step's
     rollouts come from the version the async schedule names, and the adapters moved every step."""
     import storage
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     with open("configs/grpo_tiny_lora.yaml", encoding="utf-8") as fh:
         lora = yaml.safe_load(fh)["policy"]["dtensor_cfg"]["lora_cfg"]

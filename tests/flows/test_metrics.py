@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from flows.metrics import build_step_metrics, format_console_line, read_metrics
+from flows.observe.metrics import build_step_metrics, format_console_line, read_metrics
 
 
 def test_attempt_columns_from_task_results_and_committed_manifests():
@@ -68,14 +68,14 @@ def test_a_garbage_line_is_skipped_with_file_and_line_number(tmp_path, caplog):
     uri = str(tmp_path / "metrics.jsonl")
     with open(uri, "w") as fh:
         fh.write('{"step": 1, "loss": 0.5}\n{"step": 2, "lo\x00ss\n[3]\n{"step": 4}\n')
-    with caplog.at_level("WARNING", logger="flows.metrics"):
+    with caplog.at_level("WARNING", logger="flows.observe.metrics"):
         rows = read_metrics(uri)
     assert [r["step"] for r in rows] == [1, 4]
     assert f"{uri} line 2 is damaged" in caplog.text and f"{uri} line 3 is damaged" in caplog.text
 
 
 def test_an_emptied_file_is_rebuilt_from_the_committed_datasets(e2e_run, tmp_path):
-    from flows.metrics import repair_metrics
+    from flows.observe.metrics import repair_metrics
 
     layout, ref = _copy_reference(e2e_run, tmp_path)
     open(layout.metrics_uri, "w").close()
@@ -91,14 +91,14 @@ def test_an_emptied_file_is_rebuilt_from_the_committed_datasets(e2e_run, tmp_pat
 
 
 def test_a_garbage_line_is_rebuilt_and_the_others_kept(e2e_run, tmp_path, caplog):
-    from flows.metrics import repair_metrics
+    from flows.observe.metrics import repair_metrics
 
     layout, ref = _copy_reference(e2e_run, tmp_path)
     lines = open(layout.metrics_uri).read().splitlines()
     lines[1] = lines[1][:40]  # a torn line
     with open(layout.metrics_uri, "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with caplog.at_level("WARNING", logger="flows.metrics"):
+    with caplog.at_level("WARNING", logger="flows.observe.metrics"):
         assert repair_metrics(layout, 3) == [2]
     assert f"{layout.metrics_uri} line 2 is damaged" in caplog.text
     rows = read_metrics(layout.metrics_uri)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from flows.quiet_logs import quiet_lifecycle_logs
+from flows.observe.quiet_logs import quiet_lifecycle_logs
 
 
 def _emit(caplog, level: int, msg: str, name: str = "prefect.task_runs") -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from flows.ray_session import RAY_THREAD_PREFIXES, _ray_threads_finished
+from flows.run.ray_session import RAY_THREAD_PREFIXES, _ray_threads_finished
 
 
 def _thread(name: str, hold: threading.Event) -> threading.Thread:

@@ -1,4 +1,4 @@
-"""``flows.recompute``: what a resume checks and what ``--recompute STAGE@STEP`` deletes, on a
+"""``flows.run.recompute``: what a resume checks and what ``--recompute STAGE@STEP`` deletes, on a
 synthetic run (real Arrow datasets and checkpoint commit files, no actors): steps 1-3 trained,
 a checkpoint at step 2 (the anchor), step 4 started (datasets up to advantages)."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from flows.recompute import (
+from flows.run.recompute import (
     DamagedRunError,
     apply_recompute,
     check_resume_data,
@@ -18,7 +18,7 @@ from flows.recompute import (
     plan_recompute,
     resume_window,
 )
-from flows.run_layout import DATA_STAGES, RunLayout
+from nrl_tasks.run_layout import DATA_STAGES, RunLayout
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
 RUN = "synthetic"

@@ -45,7 +45,7 @@ def _checkpoint_bytes(root: str, run_id: str, step: int) -> dict[str, bytes]:
 def test_kill_and_resume_is_bit_identical(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
     import storage
 
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     baseline = e2e_run["root"]
     root = str(tmp_path / "runs")

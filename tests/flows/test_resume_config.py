@@ -16,7 +16,7 @@ from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
 def test_grpo_parameters_have_descriptions_for_the_deployment_form():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.grpo import grpo
+    from flows.algorithms.grpo import grpo
 
     props = parameter_schema(grpo.fn).model_dump()["properties"]
     for name in ("config", "run_id", "resume", "overrides", "storage", "recompute", "take_over"):
@@ -27,8 +27,8 @@ def test_grpo_parameters_have_descriptions_for_the_deployment_form():
 @pytest.mark.slow  # a whole flow run (+ resume): keeps make test under 15 minutes
 def test_extend_a_finished_run_with_the_deployment_default_config(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from flows.config import ConfigError
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
 
     root = str(tmp_path / "runs")
     cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.max_num_steps": 2, "checkpointing.save_period": 1})

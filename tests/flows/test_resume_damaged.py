@@ -67,7 +67,7 @@ def test_checkpoints_with_damaged_files_fall_back_to_the_initial_weights(e2e_run
     """optimizer/ of checkpoint 3 deleted, one value of checkpoint 2's weights changed (both found
     by the file check before loading), metrics.jsonl emptied: the initial weights are restored,
     steps 1-3 replayed and checked, checkpoint 3 written again; lines 1-2 rebuilt."""
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
     from nrl_tasks.stages.checkpoint import list_checkpoints, read_checkpoint_info
 
     base, root, run = _copy_reference(e2e_run, tmp_path)
@@ -93,7 +93,7 @@ def test_a_checkpoint_without_manifest_is_checked_after_loading(e2e_run, prefect
     from before manifests), one metrics.jsonl line torn: the weights checksum after loading
     differs from step 3's, so recovery plans again without it: checkpoint 2, replay of step 3,
     checkpoint 3 written again; the torn line rebuilt."""
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
     from nrl_tasks.stages.checkpoint import read_checkpoint_info
 
     base, root, run = _copy_reference(e2e_run, tmp_path)

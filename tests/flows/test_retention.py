@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flows import retention
-from flows.retention import PRUNABLE_STAGES, RetentionPolicy, apply_retention, plan_retention
-from flows.run_layout import RunLayout
+from flows.run import retention
+from flows.run.retention import PRUNABLE_STAGES, RetentionPolicy, apply_retention, plan_retention
+from nrl_tasks.run_layout import RunLayout
 
 
 def test_doctests():
@@ -127,7 +127,7 @@ def test_plan_never_deletes_what_resume_needs(last, extra, ck, k, n, t, score_se
 def _fake_run(root: str, run_id: str, steps: int, ck_steps: list[int], val: dict[int, float]) -> RunLayout:
     import storage
 
-    from flows.metrics import upsert_metrics
+    from flows.observe.metrics import upsert_metrics
 
     lay = RunLayout(root, run_id)
     for s in range(1, steps + 1):
@@ -156,7 +156,7 @@ def _du(path: str) -> int:
 def test_apply_retention_on_disk(tmp_path):
     import storage
 
-    from flows.run_state import trained_prefix
+    from flows.run.state import trained_prefix
     from nrl_tasks.stages.checkpoint import latest_checkpoint, list_checkpoints
 
     root = str(tmp_path)
@@ -316,7 +316,7 @@ def test_holds_and_retention_on_s3(moto_s3):
 def test_dynamic_sampling_generation_batches_go_with_their_step(tmp_path):
     import storage
 
-    from flows.retention import delete_step_batches
+    from flows.run.retention import delete_step_batches
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
     lay = _fake_run(str(tmp_path), "r-ds", steps=2, ck_steps=[], val={})

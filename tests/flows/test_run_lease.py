@@ -1,4 +1,4 @@
-"""One writer per run (``flows/run_lease.py`` over ``storage/lease.py``), as the CLI and the flow use it.
+"""One writer per run (``flows/run/lease.py`` over ``storage/lease.py``), as the CLI and the flow use it.
 
 - a second writer is refused at once, naming the holder, by ``nrl resume`` (exit 2, nothing
   started) and by the flow itself (a deployment run skips the CLI), and nothing of the run is
@@ -30,7 +30,7 @@ def run_copy(e2e_run, tmp_path):
 
 
 def _state(root: str) -> str:
-    from flows.run_state import list_runs
+    from flows.run.state import list_runs
 
     (row,) = list_runs(root)
     return row["state"]
@@ -38,8 +38,8 @@ def _state(root: str) -> str:
 
 def test_a_second_writer_is_refused_naming_the_holder(run_copy, prefect_harness, capsys):
     from flows.cli import main
-    from flows.grpo import grpo
-    from flows.run_lease import hold_run_lease, lease_refusal
+    from flows.algorithms.grpo import grpo
+    from flows.run.lease import hold_run_lease, lease_refusal
 
     layout = run_copy
     status_before = open(layout.status_uri, "rb").read()
@@ -63,7 +63,7 @@ def test_a_second_writer_is_refused_naming_the_holder(run_copy, prefect_harness,
 _HOLDER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from flows.run_lease import hold_run_lease
+from flows.run.lease import hold_run_lease
 from nrl_tasks.run_layout import RunLayout
 hold_run_lease(RunLayout(sys.argv[2], sys.argv[3]), None, "killed-flow")
 print("held", flush=True)
@@ -72,7 +72,7 @@ time.sleep(600)
 
 
 def test_a_sigkilled_holder_is_taken_over_without_asking(run_copy):
-    from flows.run_lease import hold_run_lease, live_holder
+    from flows.run.lease import hold_run_lease, live_holder
 
     layout = run_copy
     proc = subprocess.Popen(
@@ -95,7 +95,7 @@ def test_a_sigkilled_holder_is_taken_over_without_asking(run_copy):
 
 
 def test_a_holder_whose_lease_was_taken_over_is_fenced(run_copy):
-    from flows.run_lease import LeaseSettings, check_fence, hold_run_lease
+    from flows.run.lease import LeaseSettings, check_fence, hold_run_lease
     from storage.lease import LeaseHeldError, LeaseLostError
 
     layout = run_copy

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from flows.run_process import current_process, describe_status, flow_process_alive, reap_local_ray, this_host
+from flows.run.process import current_process, describe_status, flow_process_alive, reap_local_ray, this_host
 
 #: a child that opens the file $HOLD_PATH, ignores SIGTERM, says "ready" and sleeps (the path is
 #: not on its command line: like a renamed ``ray::DashboardAgent``, only its open log file tells)
@@ -75,8 +75,8 @@ def test_status_without_a_local_process_to_check(status, shown):
 def test_nrl_runs_shows_a_crashed_run(tmp_path, capsys):
     from flows.cli import main
     from flows.config import load_config
-    from flows.run_layout import RunLayout
-    from flows.run_state import init_run, list_runs, write_status
+    from nrl_tasks.run_layout import RunLayout
+    from flows.run.state import init_run, list_runs, write_status
     from tests.fixtures.grpo_runs import TINY_CONFIG
 
     root = str(tmp_path / "runs")
@@ -131,7 +131,7 @@ def test_reap_kills_only_the_dead_flows_session(tmp_path):
 
 
 def test_session_processes_refuses_a_non_session_root():
-    from flows.run_process import session_processes
+    from flows.run.process import session_processes
 
     for bad in ("", "/", "/tmp"):
         with pytest.raises(ValueError, match="session"):

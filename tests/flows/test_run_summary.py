@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.run_summary import CURVE_WIDTH, metrics_window, sparkline, summary_markdown
+from flows.observe.summary import CURVE_WIDTH, metrics_window, sparkline, summary_markdown
 
 
 def _rows(n: int) -> list[dict]:
@@ -46,8 +46,8 @@ def test_summary_carries_a_small_png_plot_of_reward_and_eval():
 
     from PIL import Image
 
-    from flows.run_plot import SIZE
-    from flows.run_summary import summary_markdown
+    from flows.observe.plot import SIZE
+    from flows.observe.summary import summary_markdown
 
     def plot_of(n: int) -> bytes:
         rows = [{"step": i, "reward_mean": i / n, **({"val_accuracy": 0.5} if i % 5 == 0 else {})} for i in range(1, n + 1)]

@@ -11,7 +11,7 @@ def test_sft_batch_masks_the_answer_and_its_eos(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from flows.config import load_config
-    from flows.sft import build_sft_batch
+    from flows.algorithms.sft import build_sft_batch
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = load_config(TINY_CONFIG)
@@ -38,7 +38,7 @@ def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, 
     import pytest
     import yaml
 
-    from flows.sft import sft
+    from flows.algorithms.sft import sft
     from storage.lease import LeaseHeldError
     from tests.fixtures.grpo_runs import REPO, kill_run_actors, tiny_run_config
 
@@ -46,7 +46,7 @@ def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, 
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, root, ray_session)))
     run_id = "busy-sft"
-    code = f"from flows.sft import sft; sft(config={str(path)!r}, run_id={run_id!r}, num_steps=100000, batch_size=4)"
+    code = f"from flows.algorithms.sft import sft; sft(config={str(path)!r}, run_id={run_id!r}, num_steps=100000, batch_size=4)"
     env = {**os.environ, "PREFECT_API_URL": prefect_harness}
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from flows.trackers import TensorBoardTracker, TrackerSet, open_trackers, publish_tracker_links, scalar_fields
+from flows.observe.trackers import TensorBoardTracker, TrackerSet, open_trackers, publish_tracker_links, scalar_fields
 from tests.fixtures.mlflow_server import MLflowServer
 
 ROWS = [{"step": s, "reward_mean": s / 10, "loss": 1.0 - s / 10, "rebuilt": False} for s in range(1, 6)]
@@ -90,8 +90,8 @@ def test_a_failing_tracker_is_warned_about_and_the_others_go_on(tmp_path, caplog
 def test_grpo_run_and_its_resume_write_one_curve_point_per_step(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flows.grpo import grpo
-    from flows.metrics import read_metrics
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
     from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
 
     root, logs, run_id = str(tmp_path / "runs"), str(tmp_path / "logs"), "tb-run"
@@ -153,7 +153,7 @@ def test_mlflow_resume_continues_the_same_run(store, tmp_path, request):
     from mlflow.tracking import MlflowClient
 
     from flows.config import MLflowConfig
-    from flows.trackers_mlflow import MLflowTracker
+    from flows.observe.trackers_mlflow import MLflowTracker
 
     uri = request.getfixturevalue("mlflow_server").uri if store == "server" else None
     cfg = MLflowConfig(experiment_name=f"exp-{uuid.uuid4().hex[:8]}", tracking_uri=uri)
@@ -226,7 +226,7 @@ def test_tracker_links_become_prefect_link_artifacts(prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.artifacts import artifact_key
+    from flows.observe.artifacts import artifact_key
 
     url = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     publish_tracker_links({"MLflow": url})  # outside a flow run: nothing, no error
@@ -265,7 +265,7 @@ def _wandb_records(wandb_dir: str) -> list[dict]:
 
 def test_wandb_offline_run_resumes_without_duplicates(tmp_path):
     from flows.config import WandbConfig
-    from flows.trackers_wandb import WandbTracker, wandb_run_id
+    from flows.observe.trackers_wandb import WandbTracker, wandb_run_id
 
     logs = str(tmp_path / "logs")
     t = WandbTracker(logs, "Run/W", WandbConfig(), CONFIG)
@@ -299,7 +299,7 @@ def test_wandb_offline_run_resumes_without_duplicates(tmp_path):
 @pytest.mark.slow
 def test_mlflow_server_down_mid_run_warns_and_catches_up_when_back(mlflow_server, tmp_path, caplog):
     from flows.config import MLflowConfig
-    from flows.trackers_mlflow import MLflowTracker
+    from flows.observe.trackers_mlflow import MLflowTracker
 
     t = MLflowTracker(str(tmp_path), "Run-D", MLflowConfig(experiment_name="down", tracking_uri=mlflow_server.uri), CONFIG)
     ts = TrackerSet([t])

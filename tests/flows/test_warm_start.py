@@ -25,9 +25,9 @@ def _flow_run_name(flow_run_id: str) -> str:
 @pytest.mark.slow  # ~70 s (an SFT run and two GRPO flow runs): keeps `make test` under 15 minutes
 def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from flows.config import config_hash, load_config
-    from flows.grpo import grpo
-    from flows.run_state import read_status
-    from flows.warm_start import warm_start_weights
+    from flows.algorithms.grpo import grpo
+    from flows.run.state import read_status
+    from flows.algorithms.warm_start import warm_start_weights
     from nrl_tasks.run_layout import RunLayout
 
     root = str(tmp_path / "runs")

@@ -25,7 +25,7 @@ RUN_ID = "s3-run"
 @pytest.mark.slow
 def test_tiny_run_on_s3_with_kill_and_resume(moto_s3, tiny_model_dir, tmp_path):
     import storage
-    from flows.run_layout import RunLayout
+    from nrl_tasks.run_layout import RunLayout
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     bucket = moto_s3.make_bucket()

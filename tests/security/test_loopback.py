@@ -171,7 +171,7 @@ _PROBE = r"""
 import json, os, sys, psutil
 sys.path.insert(0, sys.argv[1])
 from flows.config import load_config
-from flows.runtime import connect_ray
+from flows.run.runtime import connect_ray
 import ray
 cfg = load_config(os.path.join(sys.argv[1], "configs", "grpo_tiny.yaml"))
 connect_ray(cfg)

@@ -115,8 +115,8 @@ def test_s3_run_holds_no_pickle_and_no_credentials(
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_SERVER_DATABASE_CONNECTION_URL
 
     import storage
-    from flows.grpo import grpo
-    from flows.run_layout import RunLayout
+    from flows.algorithms.grpo import grpo
+    from nrl_tasks.run_layout import RunLayout
     from tests.fixtures.grpo_runs import kill_run_actors, tiny_run_config
 
     tag = uuid.uuid4().hex

@@ -57,8 +57,8 @@ def main(argv: list[str]) -> int:
     _quiet_env()  # as `nrl` does: among others a patient ephemeral Prefect server (the default 20 s timed out in CI)
     import ray
 
-    from flows.grpo import grpo
-    from flows.runtime import namespace_for
+    from flows.algorithms.grpo import grpo
+    from flows.run.runtime import namespace_for
     from nrl_tasks.distributed.virtual_cluster import init_ray
 
     with open(cfg_path, encoding="utf-8") as fh:

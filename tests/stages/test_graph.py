@@ -22,10 +22,10 @@ def test_dependants_are_transitive_and_in_pipeline_order():
 
 
 def test_derived_tables_follow_the_graph():
-    from flows.metrics import STAGE_ATTEMPTS, STAGE_SECONDS
-    from flows.recompute import DATASET_STAGE
-    from flows.retention import PRUNABLE_STAGES
-    from flows.recompute import RECOMPUTE_ALIASES
+    from flows.observe.metrics import STAGE_ATTEMPTS, STAGE_SECONDS
+    from flows.run.recompute import DATASET_STAGE
+    from flows.run.retention import PRUNABLE_STAGES
+    from flows.run.recompute import RECOMPUTE_ALIASES
     from nrl_tasks.run_layout import DATA_STAGES
     from nrl_tasks.stages.train import TRAIN_INPUT_STAGES
 

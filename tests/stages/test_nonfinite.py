@@ -47,7 +47,7 @@ def test_score_stage_masks_and_counts_extreme_rewards(tmp_path):
     """The ``score`` stage on persisted rollouts: no exception, masked and counted like NaN."""
     import storage
     from flows.config import load_config
-    from flows.runtime import build_run_context
+    from flows.run.runtime import build_run_context
     from nrl_tasks.run_layout import RunLayout
     from nrl_tasks.stages.runner import committed_ref
     from nrl_tasks.stages.score import score
@@ -159,7 +159,7 @@ def test_train_stage_with_a_nan_advantage_commits_nothing(tmp_path, tiny_model_d
     step, nothing is committed, the failure is recorded, the weights are unchanged."""
     import storage
     from flows.config import load_config
-    from flows.runtime import build_run_context
+    from flows.run.runtime import build_run_context
     from nrl_tasks.models.policy import PolicyConfig
     from nrl_tasks.run_layout import RunLayout
     from nrl_tasks.stages.runner import committed_ref

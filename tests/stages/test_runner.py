@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flows.config import MasterConfig, load_config
-from flows.runtime import build_run_context
+from flows.run.runtime import build_run_context
 from nrl_tasks.stages.context import Observers
 from nrl_tasks.stages.runner import committed_ref, save_output
 

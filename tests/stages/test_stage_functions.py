@@ -183,7 +183,7 @@ def test_s3_checkpoint_commit_protocol(moto_s3, monkeypatch):
 
 
 def test_metrics_upsert_one_line_per_step(tmp_path):
-    from flows.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
+    from flows.observe.metrics import build_step_metrics, format_console_line, read_metrics, upsert_metrics
 
     uri = str(tmp_path / "metrics.jsonl")
     m = {"rewards": {"reward_mean": 0.5, "seconds": 0.1}, "train": {"loss": 0.2, "grad_norm": 1.0, "seconds": 0.3},

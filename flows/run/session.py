@@ -11,19 +11,19 @@ GRPO, DPO and the SFT warm start enter the same session, so each flow body is it
 
 Entering the session (:func:`run_session`):
 
-1. takes the run's lease (:mod:`flows.run_lease`) before anything is written: a second writer is
+1. takes the run's lease (:mod:`flows.run.lease`) before anything is written: a second writer is
    refused at once, naming the holder;
 2. applies ``configure(cfg)`` under the lease (GRPO's warm start, which may train);
 3. creates the run (``config.yaml``) or checks the config hash of the one it continues
-   (:func:`flows.run_state.init_run`);
-4. checks and plans the start with the one resume entry (:func:`flows.run_start.plan_start`:
+   (:func:`flows.run.state.init_run`);
+4. checks and plans the start with the one resume entry (:func:`flows.run.start.plan_start`:
    ``--recompute`` items, damaged data a resume reads, the run's facts and anchor):
    ``session.start``.
 
 :meth:`RunSession.running` then owns the run's life:
 
 5. cleans up what a killed predecessor left: its task runs left Running are marked Crashed, its
-   local Ray and its ephemeral Prefect API server are stopped (:mod:`flows.run_process`);
+   local Ray and its ephemeral Prefect API server are stopped (:mod:`flows.run.process`);
 6. writes ``status.json`` ``running`` (this flow process, the algorithm, the step budget), and at the
    end ``completed``, ``interrupted`` (SIGINT, SIGTERM, even when Prefect re-raised them as another
    error) or ``failed`` with the error; a refusal before this point leaves the status untouched;
@@ -45,14 +45,14 @@ from typing import Any, Callable, Iterator
 from prefect.exceptions import TerminationSignal
 
 from flows.config import MasterConfig
-from flows.crash_cleanup import mark_orphans_crashed
-from flows.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
-from flows.plugins import load_observers
-from flows.run_lease import check_fence, hold_run_lease
-from flows.run_process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
-from flows.run_start import StartPlan, plan_start
-from flows.run_state import init_run, read_status, write_status
-from flows.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
+from flows.run.crash_cleanup import mark_orphans_crashed
+from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
+from flows.run.plugins import load_observers
+from flows.run.lease import check_fence, hold_run_lease
+from flows.run.process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
+from flows.run.start import StartPlan, plan_start
+from flows.run.state import init_run, read_status, write_status
+from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
@@ -98,7 +98,7 @@ class RunSession:
     lease: Any
     config_hash: str
     previous: dict[str, Any]  # status.json as the previous flow of the run left it ({} for a new run)
-    start: StartPlan  # what the start does (flows.run_start)
+    start: StartPlan  # what the start does (flows.run.start)
     log: Any
     runtime: Runtime | None = None
     end_fields: dict[str, Any] = field(default_factory=dict)
@@ -127,7 +127,7 @@ class RunSession:
         check_fence(self.lease)
 
     def start_runtime(self, *, with_actors: bool = True) -> Runtime:
-        """Connect Ray and attach to or create the run's actors (:func:`flows.runtime.setup_runtime`);
+        """Connect Ray and attach to or create the run's actors (:func:`flows.run.runtime.setup_runtime`);
         the session directory of a local Ray it starts goes into ``status.json``."""
 
         def record_ray(rt: Runtime) -> None:

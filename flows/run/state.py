@@ -5,7 +5,7 @@
 - ``status.json`` (``status``: running | completed | failed, ``last_step``, ``flow_run_id``,
   ``updated_unix``, ``error``, ``flow_process``: host/pid/start time of the flow process,
   ``local_ray``: the session directory of a local Ray it started) feeds ``nrl runs``, which
-  shows a ``running`` run whose flow process is gone as crashed (:mod:`flows.run_process`).
+  shows a ``running`` run whose flow process is gone as crashed (:mod:`flows.run.process`).
 - The *trained prefix* is the longest run of steps ``1..k`` whose ``train`` output is
   committed; ``k`` is the data cursor.
 """
@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, load_config_text, saved_config_hash
-from flows.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
+from flows.run.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
 from nrl_tasks.run_layout import RunLayout, parse_step_dir
 
 __all__ = [
@@ -105,7 +105,7 @@ def check_config_hash(layout: RunLayout, cfg: MasterConfig) -> str:
 def _changed(saved_text: str, cfg: MasterConfig, source: str) -> str:
     """``" (changed: a.b, c.d)"``: the keys ``cfg`` changes against a saved config text ("" if unknown)."""
     from flows.config import changed_keys, load_config
-    from flows.config_io import load_yaml_text
+    from flows.config.io import load_yaml_text
 
     try:
         data = load_yaml_text(saved_text, source)
@@ -133,12 +133,12 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
     """Runs under ``root``: ``[{run_id, status, state, last_step, max_steps, updated_unix, ...}]``.
 
     ``status`` is the stored one; ``state`` the same checked against the flow process
-    (:func:`flows.run_process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``),
-    and ``running`` whenever the run's lease is live (:func:`flows.run_lease.live_holder`), whatever
+    (:func:`flows.run.process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``),
+    and ``running`` whenever the run's lease is live (:func:`flows.run.lease.live_holder`), whatever
     ``status.json`` says; ``writer`` then names the holder.
     """
-    from flows.run_lease import live_holder
-    from flows.run_process import describe_status
+    from flows.run.lease import live_holder
+    from flows.run.process import describe_status
 
     fs = _fs()
     if not fs.exists(root, storage_options=storage_options):

@@ -4,7 +4,7 @@
 do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, uncommit
 damaged checkpoints, restore the anchor checkpoint (or the initial weights), replay the ``train``
 of each later step from its persisted batches (recomputing its missing datasets first with the
-step's own lanes, :mod:`flows.lanes`, the generation workers refitted to that step's weights), then refit the
+step's own lanes, :mod:`flows.algorithms.lanes`, the generation workers refitted to that step's weights), then refit the
 generation workers to the run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
 finds nothing to do) and after every actor fault.
 
@@ -19,7 +19,7 @@ no fallback can be carried out the plan stops with an error naming the damaged f
 written before file manifests is checked after loading only, which the log says.
 
 :func:`recover` also rebuilds lost or damaged ``metrics.jsonl`` lines of the steps before the
-last trained one from the committed datasets (:func:`flows.metrics.repair_metrics`; the last
+last trained one from the committed datasets (:func:`flows.observe.metrics.repair_metrics`; the last
 trained step runs again and writes its own).
 
 :func:`run_step` runs one step's subflow; when a stage fails on an actor fault it waits the
@@ -40,14 +40,14 @@ from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 from prefect.utilities.annotations import quote
 
-from flows.runtime import recreate_generation, recreate_policy
+from flows.run.runtime import recreate_generation, recreate_policy
 from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import exception_chain, is_actor_fault
 from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
 from nrl_tasks.stages.health import probe_actors
 from nrl_tasks.stages.refs import StepRefs
-from nrl_tasks.stages.resume_plan import ResumePlan, plan_resume, read_run_facts
+from nrl_tasks.stages.resume_plan import ResumePlan, grpo_facts_options, plan_resume, read_run_facts
 
 __all__ = ["RetryBudget", "execute_plan", "recover", "recover_after", "run_step"]
 
@@ -69,7 +69,7 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
     ``verified``: the checkpoint to restore had its files checked just now (else the restore
     checks them). ``CheckpointDamagedError`` when a file or the loaded weights are not what the
     checkpoint and its step recorded."""
-    from flows.lanes import data_stages
+    from flows.algorithms.lanes import data_stages
     from nrl_tasks.stages.checkpoint import discard_checkpoint, restore_checkpoint
     from nrl_tasks.stages.refit import refit
     from nrl_tasks.stages.train import replay_train
@@ -133,9 +133,9 @@ def plan_generation_version(plan: ResumePlan, step: int) -> int:
 
 
 def _generate_on(run: RunContext, plan: ResumePlan, version: int, log: Any) -> None:
-    """Run the generation lane (:func:`flows.lanes.generation_lane`) of the steps ``plan``
+    """Run the generation lane (:func:`flows.algorithms.lanes.generation_lane`) of the steps ``plan``
     generates on ``version``, the generation workers refitted to it first (the policy holds it now)."""
-    from flows.lanes import generation_lane
+    from flows.algorithms.lanes import generation_lane
     from nrl_tasks.stages.refit import refit
 
     steps = plan.generate_at.get(version, ())
@@ -178,17 +178,11 @@ def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy
     A plan that restores a checkpoint is made from facts with the checkpoints' files checked;
     a checkpoint found damaged by the restore (its loaded weights) is counted as such and the
     run planned again (see the module docstring)."""
-    from flows.metrics import repair_metrics
-
-    from nrl_tasks.stages.schedule import StepSchedule
+    from flows.observe.metrics import repair_metrics
 
     log = log or _logger()
     damaged: dict[int, str] = {}
-    # async GRPO: the steps generated ahead on older weights are facts too
-    from nrl_tasks.stages.logprob import logprob_needed
-
-    ahead = {"lookahead": StepSchedule.from_config(run.cfg).lookahead, "max_steps": run.cfg.grpo.max_num_steps,
-             "skipped": () if logprob_needed(run.cfg) else ("logprobs",)}
+    ahead = grpo_facts_options(run.cfg)  # async GRPO: the steps generated ahead on older weights are facts too
     while True:
         facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged, **ahead)
         health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)

@@ -18,8 +18,8 @@ from prefect import flow, get_run_logger, task
 from prefect.utilities.annotations import quote
 
 from flows.config import MasterConfig
-from flows.run_config import new_run_id, resolve_config
-from flows.run_session import RunIntent, run_session
+from flows.config.resolve import new_run_id, resolve_config
+from flows.run.session import RunIntent, run_session
 from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.runner import TASK_DEFAULTS

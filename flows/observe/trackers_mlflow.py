@@ -1,4 +1,4 @@
-"""MLflow as a tracker (``logger.mlflow_enabled``, ``logger.mlflow``; see :mod:`flows.trackers`).
+"""MLflow as a tracker (``logger.mlflow_enabled``, ``logger.mlflow``; see :mod:`flows.observe.trackers`).
 
 One MLflow run per nrl run, in ``logger.mlflow.experiment_name``, found again on resume by its
 tag ``nrl.run_id`` and continued (``MlflowClient`` only: no fluent, process-global active run, so
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.tracker_fields import eval_fields, redact_url, scalar_fields
+from flows.observe.tracker_fields import eval_fields, redact_url, scalar_fields
 
 if TYPE_CHECKING:
     from flows.config import MLflowConfig

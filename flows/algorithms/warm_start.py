@@ -1,7 +1,7 @@
 """The warm start a GRPO run can run itself: a short SFT, then GRPO from its weights.
 
 A tiny model from scratch is almost never right, so GRPO on it sees reward 0 everywhere and
-learns nothing; ``make demo`` always warm-started it with :mod:`flows.sft`. With
+learns nothing; ``make demo`` always warm-started it with :mod:`flows.algorithms.sft`. With
 ``warm_start.sft_steps: N`` in the config the ``grpo`` flow does the same by itself (so the
 ``grpo-train`` deployment's default run learns visibly):
 
@@ -16,7 +16,7 @@ Idempotent: a committed warm-start checkpoint is reused, so a retried or resumed
 training again; a config whose ``policy.model_name`` already is the run's warm-start weights (the
 saved ``config.yaml`` of a resume) is used as it is.
 
-The SFT is a run of its own (:mod:`flows.run_session`: its lease refuses a second writer, its
+The SFT is a run of its own (:mod:`flows.run.session`: its lease refuses a second writer, its
 ``status.json`` says how it ended); it starts (and stops) a local Ray of its own when none is
 connected, so the GRPO run's Ray is started in the run's namespace as without a warm start.
 """
@@ -64,7 +64,7 @@ def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
     if is_checkpoint_committed(ck_uri, opts):
         log.info("warm start: reusing %s", ck_uri)
         return with_warm_start_weights(cfg, run_id)
-    from flows.sft import sft
+    from flows.algorithms.sft import sft
 
     ws = cfg.warm_start
     log.info("warm start: %d SFT steps from %s (run %s)", ws.sft_steps, cfg.policy.model_name, warm_start_run_id(run_id))

@@ -6,7 +6,7 @@
     rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
     rewards = score(ctx, rollouts)
     # (grpo.use_dynamic_sampling: generation batches until enough groups have reward variance,
-    #  then the step's prompts, rollouts and rewards from them: :func:`flows.lanes.sampled_stages`)
+    #  then the step's prompts, rollouts and rewards from them: :func:`flows.algorithms.lanes.sampled_stages`)
     logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
     advantages = advantages(ctx, rollouts, rewards)
     trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
@@ -15,7 +15,7 @@
     validate(ctx, refitted, step)                           # when due
 
 The first three stages are the generation lane, ``logprob`` to ``checkpoint`` the policy lane,
-each defined once in :mod:`flows.lanes` (async GRPO and recovery run the same lanes).
+each defined once in :mod:`flows.algorithms.lanes` (async GRPO and recovery run the same lanes).
 
 Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.DatasetRef` objects
 the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
@@ -37,14 +37,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.artifacts import (
+from flows.observe.artifacts import (
     BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
 )
-from flows.run_summary import metrics_window, summary_markdown
-from flows.flow_run_meta import add_flow_run_tags, run_tag
-from flows.trackers import TrackerSet
-from flows.metrics import build_step_metrics, format_console_line, upsert_metrics
-from flows.lanes import data_stages, generation_lane, policy_lane, sampled_stages
+from flows.observe.summary import metrics_window, summary_markdown
+from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
+from flows.observe.trackers import TrackerSet
+from flows.observe.metrics import build_step_metrics, format_console_line, upsert_metrics
+from flows.algorithms.lanes import data_stages, generation_lane, policy_lane, sampled_stages
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.refit import refit
@@ -123,7 +123,7 @@ def without_subflow_heartbeats() -> Iterator[None]:
 
 def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
     """Tag a flow run (the run's, or a step's subflow) ``run:<run_id>`` after it started, keeping
-    its other tags (:mod:`flows.flow_run_meta`).
+    its other tags (:mod:`flows.observe.flow_run_meta`).
 
     Task runs carry no tags: on Prefect 3.9 every tagged task run acquires tag concurrency slots
     with a lease, a write on the server that waits behind the task-run recorder on SQLite (seconds
@@ -143,7 +143,7 @@ def publish_step(
     trackers: TrackerSet | None = None,
 ) -> dict[str, Any] | None:
     """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
-    added to it), console line, artifacts and tracker curves (:mod:`flows.trackers`), the last two
+    added to it), console line, artifacts and tracker curves (:mod:`flows.observe.trackers`), the last two
     published in the background by ``publisher``."""
     import storage
 

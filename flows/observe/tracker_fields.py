@@ -1,5 +1,5 @@
 """What trackers log of a metrics line or an evaluation, and URL redaction (shared by
-:mod:`flows.trackers` and the MLflow / W&B trackers, which import nothing else of it)."""
+:mod:`flows.observe.trackers` and the MLflow / W&B trackers, which import nothing else of it)."""
 
 from __future__ import annotations
 

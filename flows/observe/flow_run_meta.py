@@ -2,7 +2,7 @@
 
 A run's flow run and its step subflows carry ``run:<run_id>``; an eval flow run carries one such
 tag per run it evaluated. Tags are added to what the flow run has (a deployment's ``nrl``,
-``train``), never replacing it. Task runs carry no tags (see :func:`flows.step.tag_flow_run`).
+``train``), never replacing it. Task runs carry no tags (see :func:`flows.algorithms.step.tag_flow_run`).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ tracker run; the resolved config is a text summary at step 0 (TensorBoard), the 
 (MLflow, dotted keys) or its config (W&B).
 
 - TensorBoard (here): event files under ``<log_dir>/<run_id>/tensorboard``.
-- MLflow (:mod:`flows.trackers_mlflow`): a server (``http(s)://``) or by default a SQLite store
+- MLflow (:mod:`flows.observe.trackers_mlflow`): a server (``http(s)://``) or by default a SQLite store
   ``<log_dir>/mlflow/mlflow.db``; the run is found again by its tag ``nrl.run_id``.
-- W&B (:mod:`flows.trackers_wandb`): offline unless ``WANDB_MODE`` says otherwise, files under
+- W&B (:mod:`flows.observe.trackers_wandb`): offline unless ``WANDB_MODE`` says otherwise, files under
   ``<log_dir>/<run_id>/wandb`` (``wandb sync`` uploads them); a run id derived from ours.
 
 **One run, no duplicate or missing step.** ``metrics.jsonl`` is the record; a tracker mirrors it.
@@ -25,7 +25,7 @@ resumed run appends to the same curves without repeating a step. An evaluation p
 raises is logged as a warning and retried with the next step (its backlog is caught up from
 ``metrics.jsonl``; evaluations it missed are kept and offered again), never failing or slowing
 the training loop. A tracker that cannot open is warned about and left out. MLflow's HTTP client
-gets a short timeout and no retries (see :mod:`flows.trackers_mlflow`). Credentials in URLs
+gets a short timeout and no retries (see :mod:`flows.observe.trackers_mlflow`). Credentials in URLs
 (``user:pass@``) never reach logs, parameters or links.
 """
 
@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from flows.tracker_fields import eval_fields, redact_url, scalar_fields
+from flows.observe.tracker_fields import eval_fields, redact_url, scalar_fields
 
 __all__ = [
     "MLflowTracker",
@@ -229,11 +229,11 @@ def open_trackers(cfg: Any, run_id: str, config_yaml: str | None = None) -> Trac
     if lg.tensorboard_enabled:
         add("TensorBoard", lambda: TensorBoardTracker(lg.log_dir, run_id, config_yaml))
     if lg.mlflow_enabled:
-        from flows.trackers_mlflow import MLflowTracker  # imports mlflow when it opens
+        from flows.observe.trackers_mlflow import MLflowTracker  # imports mlflow when it opens
 
         add("MLflow", lambda: MLflowTracker(lg.log_dir, run_id, lg.mlflow, _config_dict(cfg, config_yaml)))
     if lg.wandb_enabled:
-        from flows.trackers_wandb import WandbTracker  # imports wandb when it opens
+        from flows.observe.trackers_wandb import WandbTracker  # imports wandb when it opens
 
         add("W&B", lambda: WandbTracker(lg.log_dir, run_id, lg.wandb, _config_dict(cfg, config_yaml)))
     return TrackerSet(out)
@@ -246,7 +246,7 @@ def publish_tracker_links(links: Mapping[str, str], run_id: str | None = None) -
         from prefect.artifacts import create_link_artifact
         from prefect.context import FlowRunContext
 
-        from flows.artifacts import _in_run_context, artifact_key
+        from flows.observe.artifacts import _in_run_context, artifact_key
 
         if not _in_run_context():
             return
@@ -269,11 +269,11 @@ def publish_tracker_links(links: Mapping[str, str], run_id: str | None = None) -
 def __getattr__(name: str) -> Any:
     # the MLflow and W&B trackers live in their own modules, imported only when asked for
     if name == "MLflowTracker":
-        from flows.trackers_mlflow import MLflowTracker
+        from flows.observe.trackers_mlflow import MLflowTracker
 
         return MLflowTracker
     if name == "WandbTracker":
-        from flows.trackers_wandb import WandbTracker
+        from flows.observe.trackers_wandb import WandbTracker
 
         return WandbTracker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

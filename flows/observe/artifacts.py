@@ -3,10 +3,10 @@
 Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
 publication is a new version of the same keyed artifact in the UI. What a run publishes is bounded
 per step (the Prefect database grows by a constant amount a step, not by one that grows with the
-run): the small summary every step; the metrics table (the newest :data:`~flows.run_summary.TABLE_WINDOW`
+run): the small summary every step; the metrics table (the newest :data:`~flows.observe.summary.TABLE_WINDOW`
 lines, newest first) and the best/worst rollouts at checkpoint steps and the last step; progress
 updated in place. ``metrics.jsonl`` keeps every line. The eval view of a sweep target
-(:mod:`flows.eval_view`) gets a new version only when its content changed (:func:`publish_eval_view`).
+(:mod:`flows.observe.eval_view`) gets a new version only when its content changed (:func:`publish_eval_view`).
 Artifacts are best effort: a failure to publish is logged, never fatal to training.
 """
 
@@ -89,7 +89,7 @@ def _round(v: Any) -> Any:
 
 def publish_metrics_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
     """Table artifact with one row per line of ``rows`` (the flows pass the newest lines, newest
-    first: :func:`flows.run_summary.metrics_window`)."""
+    first: :func:`flows.observe.summary.metrics_window`)."""
     if not _in_run_context():
         return
     from prefect.artifacts import create_table_artifact
@@ -177,7 +177,7 @@ def publish_rollouts(run_id: str, markdown: str) -> None:
 
 
 def publish_summary(run_id: str, markdown: str) -> None:
-    """The run's summary artifact (:mod:`flows.run_summary`), replaced every step."""
+    """The run's summary artifact (:mod:`flows.observe.summary`), replaced every step."""
     if not _in_run_context():
         return
     from prefect.artifacts import create_markdown_artifact
@@ -201,16 +201,16 @@ def _latest_artifact(key: str) -> Any:
 
 
 def publish_eval_view(key_name: str, markdown: str) -> bool:
-    """The eval view of a sweep target (:mod:`flows.eval_view`) as the markdown artifact
+    """The eval view of a sweep target (:mod:`flows.observe.eval_view`) as the markdown artifact
     ``nrl-<target>-evals``, published as a new version only when it differs from the latest
-    version on the Prefect API (compared by :func:`~flows.eval_view.view_digest`, which the
+    version on the Prefect API (compared by :func:`~flows.observe.eval_view.view_digest`, which the
     description carries too): a sweep that evaluated nothing new adds nothing, whichever process
     ran the sweep before. Returns whether a version was created; never raises (warns)."""
     if not _in_run_context():
         return False
     from prefect.artifacts import create_markdown_artifact
 
-    from flows.eval_view import view_digest
+    from flows.observe.eval_view import view_digest
 
     key, digest = artifact_key(key_name, "evals"), view_digest(markdown)
     try:
@@ -233,10 +233,10 @@ def publish_eval_view(key_name: str, markdown: str) -> bool:
 def publish_eval_table(
     key_name: str, rows: Sequence[Mapping[str, Any]], runs: Mapping[str, Mapping[str, Any]] | None = None
 ) -> bool:
-    """The eval view of ``rows`` (:func:`flows.eval_view.eval_view_markdown`; ``runs``: per run id
+    """The eval view of ``rows`` (:func:`flows.observe.eval_view.eval_view_markdown`; ``runs``: per run id
     its flow-run id, storage URI and UI URL), published by :func:`publish_eval_view`. (The name is
     from when it was a table.)"""
-    from flows.eval_view import eval_view_markdown
+    from flows.observe.eval_view import eval_view_markdown
 
     try:
         markdown = eval_view_markdown(key_name, rows, runs)

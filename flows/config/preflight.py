@@ -10,7 +10,7 @@ would make the same ``--run-id`` refused).
 - the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist and
   parse, with the configured keys;
 - a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
-  :func:`flows.ray_session.check_local_ray_size`.
+  :func:`flows.run.ray_session.check_local_ray_size`.
 
 The flow checks the same things again where it uses them (a deployment run skips the CLI).
 """
@@ -40,8 +40,8 @@ def check_reward_fn(cfg: MasterConfig) -> None:
 
 def preflight(cfg: MasterConfig) -> None:
     """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
-    from flows.plugins import load_observers
-    from flows.ray_session import check_local_ray_size
+    from flows.run.plugins import load_observers
+    from flows.run.ray_session import check_local_ray_size
     from nrl_tasks.stages.data import load_prompt_records
 
     check_reward_fn(cfg)

@@ -1,4 +1,4 @@
-"""Weights & Biases as a tracker (``logger.wandb_enabled``, ``logger.wandb``; see :mod:`flows.trackers`).
+"""Weights & Biases as a tracker (``logger.wandb_enabled``, ``logger.wandb``; see :mod:`flows.observe.trackers`).
 
 Offline unless ``WANDB_MODE`` says otherwise: the run's files go under
 ``<log_dir>/<run_id>/wandb/offline-run-<time>-<id>/`` and need no network (``wandb sync`` uploads
@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from flows.tracker_fields import eval_fields, scalar_fields
+from flows.observe.tracker_fields import eval_fields, scalar_fields
 
 if TYPE_CHECKING:
     from flows.config import WandbConfig

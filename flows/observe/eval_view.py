@@ -4,7 +4,7 @@ Pure functions (rows in, markdown out), so the view is testable without Prefect 
 training run: a link to its flow run in the Prefect UI (``<PREFECT_UI_URL>/runs/flow-run/<id>``;
 without a UI URL the flow-run id and the run's storage URI); then per dataset: the best checkpoint
 by accuracy (ties: the earlier step), text curves of accuracy and pass@k over the checkpoints in
-step order (:func:`flows.run_summary.sparkline`, at most :data:`~flows.run_summary.CURVE_WIDTH`
+step order (:func:`flows.observe.summary.sparkline`, at most :data:`~flows.observe.summary.CURVE_WIDTH`
 characters whatever the count), and a table of the newest :data:`TABLE_ROWS` checkpoints in step
 order, the best one starred, each with a link to its files (local paths and http(s); ``s3://``
 stays plain text).
@@ -13,7 +13,7 @@ Its size is bounded (:data:`MAX_RUNS` runs, :data:`MAX_DATASETS` datasets a run,
 rows a table) and it holds nothing that changes between two sweeps that evaluated nothing new (no
 timestamps, no durations), so :func:`view_digest` tells whether a sweep has anything new to show:
 the flow publishes a new artifact version only when the digest differs from the latest version's
-(:func:`flows.artifacts.publish_eval_view`). :func:`target_label` names a sweep target (in its
+(:func:`flows.observe.artifacts.publish_eval_view`). :func:`target_label` names a sweep target (in its
 flow-run name and artifact key).
 
 >>> rows = [{"run_id": "r", "checkpoint": f"step_00000{s}", "dataset": "val", "accuracy": a} for s, a in ((2, 0.5), (4, 0.5))]
@@ -29,8 +29,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flows.run_summary import sparkline
-from flows.storage_root import normalize_root
+from flows.observe.summary import sparkline
+from flows.run.storage_root import normalize_root
 from nrl_tasks.run_layout import parse_step_dir
 
 __all__ = [
@@ -171,7 +171,7 @@ def eval_view_markdown(
 
     ``rows``: one per committed evaluation (``run_id``, ``checkpoint``, ``dataset``, ``accuracy``,
     ``pass_at_k``, ``k``, ``sample_reward_mean``, ``num_prompts``, optional ``step`` and
-    ``checkpoint_uri``), as :func:`flows.evaluate._eval_rows` reads them. ``runs``: per run id,
+    ``checkpoint_uri``), as :func:`flows.algorithms.evaluate._eval_rows` reads them. ``runs``: per run id,
     ``flow_run_id`` (from ``status.json``), ``run_uri`` and ``ui_url`` (``PREFECT_UI_URL``, or
     ``None``). Runs appear in the order of their first row.
     """

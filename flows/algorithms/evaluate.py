@@ -7,7 +7,7 @@ samples as Arrow under ``<run>/evals/<checkpoint>/<dataset-key>/``.
 
 ``eval_sweep(target)`` does that for every committed checkpoint of a run (``target`` = run id)
 or of every run under a storage prefix (``target`` containing ``/`` or ``://``) that has no
-evaluation yet, and publishes the *eval view* of the target (:mod:`flows.eval_view`: per run and
+evaluation yet, and publishes the *eval view* of the target (:mod:`flows.observe.eval_view`: per run and
 dataset the checkpoints' accuracy, pass@k and links, the best one marked, text curves), a new
 version of the artifact ``nrl-<target>-evals`` only when it changed: run twice, the second run
 evaluates nothing new and publishes nothing. The ``eval-sweep`` deployment runs it on a cron schedule.
@@ -29,12 +29,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.flow_run_meta import add_flow_run_tags, run_tag
-from flows.artifacts import publish_eval_table
-from flows.eval_view import is_prefix, target_label
+from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
+from flows.observe.artifacts import publish_eval_table
+from flows.observe.eval_view import is_prefix, target_label
 from flows.config import MasterConfig, load_config
 from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
-from flows.run_state import check_storage_root, list_runs, read_status, saved_config_data
+from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
 
 __all__ = ["MAX_RUN_TAGS", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
 
@@ -113,7 +113,7 @@ def evaluate_checkpoint(
     """Evaluate checkpoint ``checkpoint`` (e.g. ``step_000004``) of ``run_id``; returns its summary."""
     from nrl_tasks.stages.evaluate import evaluate
 
-    from flows.ray_session import connect_ray
+    from flows.run.ray_session import connect_ray
 
     root = check_storage_root(storage or "./runs", create=False)
     tag_eval_run([run_id])
@@ -135,12 +135,12 @@ def evaluate_checkpoint(
 
 def report_to_trackers(cfg: MasterConfig, run_id: str, results: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
     """Evaluations (``(training step, evaluate()'s result)``) as ``eval/<name>`` points in the
-    training run's own tracker runs (:mod:`flows.trackers`: the same TensorBoard directory, MLflow
+    training run's own tracker runs (:mod:`flows.observe.trackers`: the same TensorBoard directory, MLflow
     run, W&B run), when its config enables any. Never raises."""
     lg = cfg.logger
     if not results or not (lg.tensorboard_enabled or lg.mlflow_enabled or lg.wandb_enabled):
         return
-    from flows.trackers import open_trackers
+    from flows.observe.trackers import open_trackers
 
     names = {"eval_accuracy": "accuracy", "eval_pass_at_k": "pass_at_k", "eval_sample_reward_mean": "sample_reward_mean"}
     trackers = open_trackers(cfg, run_id)
@@ -235,7 +235,7 @@ def _sweep_run(
     to its outcome's list in ``out``); return the run's rows."""
     import storage as _st
 
-    from flows.ray_session import connect_ray
+    from flows.run.ray_session import connect_ray
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.evaluate import _eval_key, evaluate
 

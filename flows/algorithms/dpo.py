@@ -32,14 +32,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
+from flows.observe.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
 from flows.config import MasterConfig
-from flows.run_config import new_run_id, resolve_config
-from flows.metrics import read_metrics, upsert_metrics
-from flows.quiet_logs import quiet_lifecycle_logs
-from flows.run_session import RunIntent, RunSession, run_session
-from flows.run_summary import metrics_window
-from flows.runtime import recreate_policy
+from flows.config.resolve import new_run_id, resolve_config
+from flows.observe.metrics import read_metrics, upsert_metrics
+from flows.observe.quiet_logs import quiet_lifecycle_logs
+from flows.run.session import RunIntent, RunSession, run_session
+from flows.observe.summary import metrics_window
+from flows.run.runtime import recreate_policy
 from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.resume_plan import RunFacts
@@ -71,7 +71,7 @@ def dpo_metrics_line(step: int, refs: dict[str, Any], checkpoint: Any, wall_s: f
 
 def restore_dpo_run(run: RunContext, facts: RunFacts | None, log: Any) -> dict[str, Any]:
     """Bring the fresh policy to the run's trained prefix (see the module docstring), from the
-    run's facts as the resume entry read them (:mod:`flows.run_start`; ``None``: a new run):
+    run's facts as the resume entry read them (:mod:`flows.run.start`; ``None``: a new run):
     ``{"last": T, "restored_from": checkpoint URI or "initial", "replayed": [steps]}``."""
     from nrl_tasks.stages.checkpoint import restore_checkpoint
     from nrl_tasks.stages.dpo import replay_dpo_train

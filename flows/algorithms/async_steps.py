@@ -1,7 +1,7 @@
 """Async GRPO in the run's flow: the phases of :class:`nrl_tasks.stages.schedule.StepSchedule`,
 with the generation lane (``prompts`` -> ``generate`` -> ``score`` of later steps) submitted as
 concurrent Prefect tasks while the policy lane (``logprob`` -> ``advantages`` -> ``train``,
-``checkpoint`` when due) runs in the flow's thread (both lanes are :mod:`flows.lanes`, the ones a
+``checkpoint`` when due) runs in the flow's thread (both lanes are :mod:`flows.algorithms.lanes`, the ones a
 synchronous step runs), and the refit of version ``k`` between
 ``train(k)`` and ``train(k+1)`` when both lanes are free::
 
@@ -14,7 +14,7 @@ rollouts of a step do not depend on timing. The Prefect run graph shows the over
 runs of two steps run at the same time, with their data edges.
 
 **Faults and resumes.** When a stage of either lane fails on an actor fault, the loop lets every
-submitted generation finish, recovers (:func:`flows.recovery.recover_after`: the resume plan knows
+submitted generation finish, recovers (:func:`flows.run.recovery.recover_after`: the resume plan knows
 the schedule, so a step whose rollouts are missing is generated on its own version: the policy is
 restored to a checkpoint at or before it and replayed through it) and runs the schedule again from
 the run's trained prefix; committed stages skip. A resumed run starts the same way. The retries
@@ -33,8 +33,8 @@ from typing import Any, Callable
 from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.lanes import GenerationLane, policy_lane
-from flows.step import StepPlan, StepRefs, publish_step
+from flows.algorithms.lanes import GenerationLane, policy_lane
+from flows.algorithms.step import StepPlan, StepRefs, publish_step
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.refit import refit
@@ -56,9 +56,9 @@ def run_async_steps(
     """Run the steps after the trained prefix ``trained`` on the async schedule (step ``trained``
     once more: its committed stages skip, what it had not finished is done), through actor
     faults (see the module docstring); the wall seconds of each step. ``budget``: the run's
-    :class:`flows.recovery.RetryBudget`; ``publish(ctx, refs, plan, wall_seconds=, extra=)``: the
+    :class:`flows.run.recovery.RetryBudget`; ``publish(ctx, refs, plan, wall_seconds=, extra=)``: the
     step's metrics line and artifacts (the flow's, as in sync mode); ``after_step(step)``: retention."""
-    from flows.recovery import recover_after
+    from flows.run.recovery import recover_after
 
     log = get_run_logger()
     sched = StepSchedule.from_config(run.cfg)

@@ -10,11 +10,11 @@
 Between and after them a driver refits the generation workers and validates when due. The
 drivers:
 
-- synchronous GRPO, one Prefect subflow per step (:func:`flows.step.grpo_step`): the generation
+- synchronous GRPO, one Prefect subflow per step (:func:`flows.algorithms.step.grpo_step`): the generation
   lane inline on version ``step - 1``, then the policy lane, refit, validate;
-- async GRPO (:mod:`flows.async_steps`): the generation lane of later steps submitted as
+- async GRPO (:mod:`flows.algorithms.async_steps`): the generation lane of later steps submitted as
   concurrent tasks (:class:`GenerationLane`) while the policy lane runs in the flow's thread;
-- recovery (:mod:`flows.recovery`): a step generated again on its scheduled version, or a replayed
+- recovery (:mod:`flows.run.recovery`): a step generated again on its scheduled version, or a replayed
   step's missing datasets recomputed (:func:`data_stages`), before its ``train`` is replayed.
 
 Every stage is a Prefect task handed the :class:`~nrl_tasks.stages.refs.DatasetRef` objects (or
@@ -84,7 +84,7 @@ class GenerationLane:
     Prefect tasks, in step order (each waits for the one before: one set of workers), for the
     async driver. ``{step: (prompts, rollouts future, rewards future)}``.
 
-    Async GRPO refuses dynamic sampling (``flows.config_combinations``: a step's extra
+    Async GRPO refuses dynamic sampling (``nrl_tasks.config.combinations``: a step's extra
     generation batches would not be fixed by the schedule), so submitted steps generate one batch."""
 
     def __init__(self, run: RunContext) -> None:

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from flows.config import MasterConfig, load_config
-from flows.run_state import check_storage_root, saved_config_data
+from flows.run.state import check_storage_root, saved_config_data
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 
 __all__ = ["new_run_id", "resolve_config"]

@@ -10,23 +10,23 @@ regeneration). Every resume then starts the generation side with a full refit.
 
 Without a Ray address the flow starts its own local Ray and stops it when it ends, completed or
 failed (``NRL_KEEP_ACTORS=1`` keeps it); ``status.json`` records the flow process and that Ray's
-session, so a resume first stops what a SIGKILLed predecessor left of it (:mod:`flows.run_process`).
+session, so a resume first stops what a SIGKILLed predecessor left of it (:mod:`flows.run.process`).
 
 Each step is a subflow ``<run_id>-step-0007`` whose stage tasks pass dataset references to each
-other (:mod:`flows.step`). A stage that fails on an actor fault fails its step; the flow recovers
-(:mod:`flows.recovery`: one resume plan, one executor) and runs the step again, up to
+other (:mod:`flows.algorithms.step`). A stage that fails on an actor fault fails its step; the flow recovers
+(:mod:`flows.run.recovery`: one resume plan, one executor) and runs the step again, up to
 ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` per stage (``grpo.refit.retries`` /
 ``grpo.refit.retry_delay_s`` for the refit).
 
 With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
-(:mod:`flows.async_steps`: the generation of later steps overlaps the policy's work, on weights
+(:mod:`flows.algorithms.async_steps`: the generation of later steps overlaps the policy's work, on weights
 versions fixed by the step; same recovery, retries, metrics and retention).
 
-Per step: one line in ``metrics.jsonl``, the run summary artifact (:mod:`flows.run_summary`), the
+Per step: one line in ``metrics.jsonl``, the run summary artifact (:mod:`flows.observe.summary`), the
 progress artifact, one INFO log line (Prefect's per-run "Finished in state Completed()" lines are
-filtered: :mod:`flows.quiet_logs`) and a console line; at checkpoint steps and the last step also
+filtered: :mod:`flows.observe.quiet_logs`) and a console line; at checkpoint steps and the last step also
 the metrics-table artifact (newest lines first) and the best and worst rollouts (bounded per step:
-:mod:`flows.artifacts`).
+:mod:`flows.observe.artifacts`).
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ from dataclasses import replace
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.artifacts import BackgroundPublisher, ProgressHandle
+from flows.observe.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
-from flows.metrics import read_metrics
-from flows.quiet_logs import quiet_lifecycle_logs
-from flows.preflight import check_reward_fn
-from flows.recompute import apply_recompute, parse_recompute
-from flows.retention import RetentionPolicy, apply_retention
-from flows.step import StepPlan, tag_flow_run
-from flows.run_config import new_run_id, resolve_config
-from flows.run_session import RunIntent, run_session
-from flows.run_state import trained_prefix
-from flows.trackers import open_trackers, publish_tracker_links
-from flows.warm_start import ensure_warm_start, with_warm_start_weights
+from flows.observe.metrics import read_metrics
+from flows.observe.quiet_logs import quiet_lifecycle_logs
+from flows.config.preflight import check_reward_fn
+from flows.run.recompute import apply_recompute, parse_recompute
+from flows.run.retention import RetentionPolicy, apply_retention
+from flows.algorithms.step import StepPlan, tag_flow_run
+from flows.config.resolve import new_run_id, resolve_config
+from flows.run.session import RunIntent, run_session
+from flows.run.state import trained_prefix
+from flows.observe.trackers import open_trackers, publish_tracker_links
+from flows.algorithms.warm_start import ensure_warm_start, with_warm_start_weights
 from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 
@@ -114,17 +114,17 @@ def run_grpo_steps(
     """Recover, then loop the steps of a run (the body of the flow). ``fence()`` runs before each
     step and raises when this flow may no longer write the run (its lease was taken over).
 
-    The loop is flat: each step is one subflow (:func:`flows.step.grpo_step`) run by
-    :func:`flows.recovery.run_step`, which recovers and runs it again after an actor fault. The
+    The loop is flat: each step is one subflow (:func:`flows.algorithms.step.grpo_step`) run by
+    :func:`flows.run.recovery.run_step`, which recovers and runs it again after an actor fault. The
     last trained step of a resumed run runs once more (its stages are committed and skip; what it
     had not finished, checkpoint, refit, validation, metrics line, is done).
 
-    Both modes run the same lanes (:mod:`flows.lanes`). Synchronous GRPO is the schedule with
+    Both modes run the same lanes (:mod:`flows.algorithms.lanes`). Synchronous GRPO is the schedule with
     no lookahead, but its loop stays per step: the unit Prefect shows and retries is the step's
     subflow (all of its stages, refit and validation included, ``-retry1`` after a fault), while
     an async phase holds stages of several steps (``train(k)`` with ``generate(k+1..k+a)``)."""
-    from flows.recovery import RetryBudget, recover, run_step
-    from flows.step import grpo_step, publish_step, without_subflow_heartbeats
+    from flows.run.recovery import RetryBudget, recover, run_step
+    from flows.algorithms.step import grpo_step, publish_step, without_subflow_heartbeats
     from nrl_tasks.stages.evaluate import validate
 
     cfg = run.cfg
@@ -144,7 +144,7 @@ def run_grpo_steps(
     publisher = BackgroundPublisher()
     lines = read_metrics(layout.metrics_uri, opts)
     have_lines = {int(r["step"]) for r in lines}
-    trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.trackers: curves, resumed in place
+    trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.observe.trackers: curves, resumed in place
     publisher.submit(trackers.sync, lines)  # what a crash kept from them
     publisher.submit(publish_tracker_links, trackers.links(), run.run_id)  # e.g. the MLflow run, as a link artifact
     # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
@@ -154,7 +154,7 @@ def run_grpo_steps(
     step_wall: list[float] = []
     loop_t0 = time.perf_counter()
     if cfg.grpo.async_grpo.enabled:
-        from flows.async_steps import run_async_steps
+        from flows.algorithms.async_steps import run_async_steps
 
         age = cfg.grpo.async_grpo.max_trajectory_age_steps
         try:
@@ -172,7 +172,7 @@ def run_grpo_steps(
         return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
                 "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
     try:
-        with without_subflow_heartbeats():  # the step subflows (flows.step): no ~0.9 s heartbeat join each
+        with without_subflow_heartbeats():  # the step subflows (flows.algorithms.step): no ~0.9 s heartbeat join each
             for step in range(last if last > 0 else 1, max_steps + 1):
                 if fence is not None:
                     fence()
@@ -220,7 +220,7 @@ def grpo(
 ) -> dict[str, Any]:
     """Train with GRPO.
 
-    The flow holds the run's lease (:mod:`flows.run_lease`) from before its first write to its
+    The flow holds the run's lease (:mod:`flows.run.lease`) from before its first write to its
     end. Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
 
     Args:
@@ -248,10 +248,10 @@ def grpo(
     intent = RunIntent(resume=resume, take_over=take_over)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
         cfg, run_id, algorithm="grpo", intent=intent, recompute=recompute, log=log,
-        configure=lambda c: ensure_warm_start(c, run_id, log),  # warm_start.sft_steps: SFT first (flows.warm_start)
+        configure=lambda c: ensure_warm_start(c, run_id, log),  # warm_start.sft_steps: SFT first (flows.algorithms.warm_start)
     ) as session:
         cfg, layout, opts = session.cfg, session.layout, session.storage_options
-        if session.start.deletes:  # checked by the resume entry (flows.run_start), with the damaged data
+        if session.start.deletes:  # checked by the resume entry (flows.run.start), with the damaged data
             log.info("recompute %s: deleted %s", recompute, apply_recompute(layout, specs, opts))
         with session.running(max_steps=cfg.grpo.max_num_steps):
             log.info("%s run %s at %s (config hash %s)", "resuming" if session.resuming else "starting", run_id,

@@ -255,7 +255,7 @@ def delete_unheld_checkpoint(
 
 def checkpoint_scores(layout: RunLayout, metric_name: str, storage_options: dict[str, Any] | None = None) -> dict[int, float]:
     """``{step: metric}`` from ``metrics.jsonl`` (steps where the metric is recorded)."""
-    from flows.metrics import read_metrics
+    from flows.observe.metrics import read_metrics
 
     out = {}
     for row in read_metrics(layout.metrics_uri, storage_options):
@@ -285,7 +285,7 @@ def apply_retention(
     }
     if not policy.active:
         return result
-    from flows.run_state import existing_steps
+    from flows.run.state import existing_steps
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     cks = list_checkpoints(layout.checkpoints_uri, storage_options)

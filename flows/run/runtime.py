@@ -1,8 +1,8 @@
 """A run's live side: its Ray actors, and the :class:`~nrl_tasks.stages.context.RunContext` built on them.
 
-:func:`setup_runtime` connects Ray (:mod:`flows.ray_session`), loads the tokenizer and attaches to
+:func:`setup_runtime` connects Ray (:mod:`flows.run.ray_session`), loads the tokenizer and attaches to
 or creates the run's actors; :func:`build_run_context` wraps them, the layout, the config and the
-observers (:mod:`flows.plugins`) into the context every stage receives. Nothing is cached in this
+observers (:mod:`flows.run.plugins`) into the context every stage receives. Nothing is cached in this
 module: the flow holds the context for the run and passes it on.
 
 Actors are named and detached in the Ray namespace ``nrl-<run_id>``: ``lm_policy-<rank>``
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flows.config import MasterConfig
-from flows.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
+from flows.run.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout, namespace_for
 from nrl_tasks.stages.context import Observers, RunContext
 

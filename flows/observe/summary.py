@@ -2,7 +2,7 @@
 
 What a person watching the run in the Prefect UI wants at a glance: step ``k`` of ``N``, the latest
 and best reward, text curves of reward and eval accuracy (unicode sparklines: they render in any
-markdown) and a small PNG plot of them (:mod:`flows.run_plot`, inline: Prefect's UI renders a
+markdown) and a small PNG plot of them (:mod:`flows.observe.plot`, inline: Prefect's UI renders a
 data-URI image), time per step and ETA, the last checkpoint and the best one by
 ``checkpointing.metric_name``. Its size does not grow with the run: the curves are downsampled to
 at most :data:`CURVE_WIDTH` points, so the Prefect database grows by about the same number of
@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flows.run_plot import bucket_means
+from flows.observe.plot import bucket_means
 
 __all__ = ["CURVE_WIDTH", "TABLE_WINDOW", "metrics_window", "sparkline", "summary_markdown"]
 
@@ -74,7 +74,7 @@ def summary_markdown(
     plot: bool = True,
 ) -> str:
     """The summary of a run from its metrics lines and checkpoints (see the module docstring);
-    ``plot``: also the PNG plot of :mod:`flows.run_plot` (inline, as a data URI)."""
+    ``plot``: also the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI)."""
     if not rows:
         return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
     last = rows[-1]
@@ -112,7 +112,7 @@ def summary_markdown(
     if evals:
         lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
     if plot:
-        from flows.run_plot import plot_data_uri
+        from flows.observe.plot import plot_data_uri
 
         index = {int(r["step"]): i for i, r in enumerate(rows)}
         uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals])

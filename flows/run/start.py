@@ -2,20 +2,20 @@
 
 :func:`plan_start` is the one place that decides what starting a run will do. The CLI calls it as
 a dry run (``nrl resume`` prints the plan, or the reason it is refused, before any Prefect server or
-Ray starts); the run session (:mod:`flows.run_session`) calls it under the run's lease, after the
+Ray starts); the run session (:mod:`flows.run.session`) calls it under the run's lease, after the
 run's ``config.yaml`` was created or its hash checked, and the flow acts on what it returns.
 
 For a run that is continued (``resume``; an SFT warm start whose run exists) it:
 
 1. checks the config against the run's saved hash (the refusal names the changed keys);
 2. checks the ``--recompute`` items: GRPO only, allowed by the config (dynamic sampling) and by
-   the run's resume window (:mod:`flows.recompute`), and lists the datasets they delete;
+   the run's resume window (:mod:`flows.run.recompute`), and lists the datasets they delete;
 3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed;
 4. reads the run's facts (:func:`~nrl_tasks.stages.resume_plan.read_run_facts`: trained prefix,
    checkpoints, the anchor) and plans the resume for actors that start fresh
    (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
    actors are gone. The flow then plans again with the actors it finds (live ones on a kept Ray
-   may be reused: :func:`flows.recovery.recover`); DPO restores its anchor and replays after it.
+   may be reused: :func:`flows.run.recovery.recover`); DPO restores its anchor and replays after it.
 
 A new run has nothing to check here (``config.yaml`` is created by the session).
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import MasterConfig
-from flows.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
-from flows.run_state import check_config_hash
+from flows.run.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
+from flows.run.state import check_config_hash
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.graph import STEP_INPUTS
 from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, grpo_facts_options, plan_resume, read_run_facts

@@ -2,7 +2,7 @@
 
 Values are parsed as YAML scalars/flow collections (``3`` → int, ``1e-5`` and ``1e8`` → float,
 ``true`` → bool, ``null`` → None, ``[1,2]`` → list); anything else stays a string. They are read
-by the config loader (:func:`flows.config_io.parse_yaml`: bounded, no repeated keys); whether the
+by the config loader (:func:`flows.config.io.parse_yaml`: bounded, no repeated keys); whether the
 value fits the key (``grpo.max_num_steps=true`` is not a number) is decided at validation.
 
 >>> apply_overrides({"grpo": {"max_num_steps": 10}}, ["grpo.max_num_steps=3", "policy.optimizer.kwargs.lr=1e-5"])
@@ -15,7 +15,7 @@ import copy
 import re
 from typing import Any, Iterable
 
-from flows.config_io import ConfigError, YAMLSyntaxError, parse_yaml
+from flows.config.io import ConfigError, YAMLSyntaxError, parse_yaml
 
 __all__ = ["apply_overrides", "parse_override", "parse_value"]
 

@@ -10,7 +10,7 @@ Keys keep NeMo-RL's names where they exist (``grpo.num_prompts_per_step``,
 ``loss_fn.reference_policy_kl_penalty``, ...). Every section forbids unknown keys; all problems
 found are reported together in one :class:`ConfigError` (a ``ValueError``). Numbers are finite,
 booleans are not numbers and sizes have maxima a real run stays far below (:mod:`nrl_tasks.config.bounds`);
-YAML is read by one bounded loader that refuses repeated keys (:mod:`flows.config_io`).
+YAML is read by one bounded loader that refuses repeated keys (:mod:`flows.config.io`).
 
 The *config hash* (:mod:`nrl_tasks.config.hash`) covers everything that changes the numbers a run produces; it leaves out
 where things run and are written (``cluster.ray``, ``storage``), how they are shown
@@ -27,8 +27,8 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from flows.config_io import load_yaml_file, load_yaml_text
-from flows.overrides import apply_overrides
+from flows.config.io import load_yaml_file, load_yaml_text
+from flows.config.overrides import apply_overrides
 from nrl_tasks.config.bounds import value_errors
 from nrl_tasks.config.cluster import (
     CheckpointingConfig, ClusterConfig, RayConfig, StorageConfig, StorageRetryConfig,
@@ -97,7 +97,7 @@ def _validation_lines(exc: ValidationError, skip: dict[str, str]) -> list[str]:
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML config file into a dict (``ConfigError`` naming the file on failure).
 
-    Read by :func:`flows.config_io.load_yaml_file`: at most 1 MiB, no repeated keys, bounded
+    Read by :func:`flows.config.io.load_yaml_file`: at most 1 MiB, no repeated keys, bounded
     alias expansion, a non-empty mapping. A saved ``config_hash`` is dropped.
     """
     data = load_yaml_file(path)
