@@ -58,7 +58,7 @@ class NrlSettings(BaseSettings):
     )
     plugins: str = Field(
         "", validation_alias="NRL_PLUGINS",
-        description="comma-separated module[:factory] stage-observer plug-ins (flows.plugins)",
+        description="comma-separated module[:factory] stage-observer plug-ins (flows.run.plugins)",
     )
     lease_ttl_s: float = Field(
         60.0, gt=0, le=3600, validation_alias="NRL_LEASE_TTL_S",

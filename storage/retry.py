@@ -101,7 +101,7 @@ class _PolicyHolder:
     """The explicitly set policy, shared by every thread of the process.
 
     Not a ``ContextVar``: the policy a flow sets (``with retry_policy(cfg.storage.retry.policy())``
-    in ``flows.grpo``) must reach the storage calls made from threads that do not inherit the
+    in ``flows.algorithms.grpo``) must reach the storage calls made from threads that do not inherit the
     flow thread's context: the parallel shard PUTs of ``storage.commit`` (a ``ThreadPoolExecutor``),
     the lease heartbeat, the checkpoint holds and refit threads of ``nrl_tasks.stages``.
     """

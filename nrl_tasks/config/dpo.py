@@ -1,4 +1,4 @@
-"""NeMo-RL's ``dpo`` section: a config with it is a DPO run (``nrl dpo``, :mod:`flows.dpo`).
+"""NeMo-RL's ``dpo`` section: a config with it is a DPO run (``nrl dpo``, :mod:`flows.algorithms.dpo`).
 
 The loss keys are :class:`~nrl_tasks.algorithms.dpo.DPOLossConfig`'s (``reference_policy_kl_penalty``
 is beta); the section adds the run's length, seed and checkpoint cadence. As in NeMo-RL,

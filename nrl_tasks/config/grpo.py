@@ -72,7 +72,7 @@ class GRPOConfig(Section):
 
 
 class WarmStartConfig(Section):
-    """A supervised warm start the GRPO flow runs first (not a NeMo-RL key; :mod:`flows.warm_start`)."""
+    """A supervised warm start the GRPO flow runs first (not a NeMo-RL key; :mod:`flows.algorithms.warm_start`)."""
 
     sft_steps: int = Field(0, ge=0, le=100_000, description="SFT steps on the reference answers before GRPO (0: none)")
     batch_size: int = Field(32, ge=1, le=65_536, description="prompts per SFT step")

@@ -36,15 +36,15 @@ class LoggerConfig(Section):
     artifacts: bool = Field(True, description="publish Prefect table/progress/markdown artifacts")
     num_rollouts_to_show: int = Field(4, ge=0, le=1024, description="best and worst rollouts in the markdown artifact")
     weights_checksum: bool = Field(True, description="record the policy weights checksum after each train")
-    tensorboard_enabled: bool = Field(False, description="TensorBoard event files of every metrics line (flows.trackers)")
+    tensorboard_enabled: bool = Field(False, description="TensorBoard event files of every metrics line (flows.observe.trackers)")
     log_dir: str = Field(
         "logs", description="trackers' local directory: <log_dir>/<run_id>/{tensorboard,wandb}, <log_dir>/mlflow"
     )
-    mlflow_enabled: bool = Field(False, description="an MLflow run mirroring every metrics line (flows.trackers_mlflow)")
+    mlflow_enabled: bool = Field(False, description="an MLflow run mirroring every metrics line (flows.observe.trackers_mlflow)")
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     wandb_enabled: bool = Field(
         False,
-        description="a W&B run mirroring every metrics line (flows.trackers_wandb); offline unless WANDB_MODE says otherwise",
+        description="a W&B run mirroring every metrics line (flows.observe.trackers_wandb); offline unless WANDB_MODE says otherwise",
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     step_subflows: bool = Field(

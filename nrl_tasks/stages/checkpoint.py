@@ -12,7 +12,7 @@ A checkpoint ``<run>/checkpoints/step_000008/`` holds the state after the ``trai
 A restore first checks every listed file (size, checksum; :mod:`nrl_tasks.stages.checkpoint_files`)
 and refuses a damaged checkpoint with :class:`~nrl_tasks.stages.checkpoint_files.CheckpointDamagedError`
 naming the file; the resume executor then checks the weights checksum after loading and falls
-back to an older checkpoint (:mod:`flows.recovery`).
+back to an older checkpoint (:mod:`flows.run.recovery`).
 
 Locally the files are written into a ``.tmp-*`` sibling that is renamed into place after
 ``checkpoint.json``. On S3 the policy workers move the bytes themselves (no filesystem shared

@@ -10,7 +10,7 @@ At save, ``checkpoint.json`` (written last: the commit) lists every file of ``we
 
 Before a restore every listed file must exist with its size and checksum
 (:func:`check_checkpoint`); after loading, the policy's weights checksum must equal the one
-recorded for that step (checked by the resume executor, :mod:`flows.recovery`). A local
+recorded for that step (checked by the resume executor, :mod:`flows.run.recovery`). A local
 checkpoint is hashed in this process; an ``s3://`` one is checked by size only (its bytes are
 read by the policy workers on their own nodes, never by this process), and its manifest
 records no checksums. A checkpoint written before file manifests (no ``files``) can only be

@@ -1,6 +1,6 @@
 """The explicit context of a run and of one step: everything a stage needs, passed in.
 
-The flow (the composition root, :mod:`flows.runtime`) builds one :class:`RunContext` per run:
+The flow (the composition root, :mod:`flows.run.runtime`) builds one :class:`RunContext` per run:
 run id, :class:`~nrl_tasks.run_layout.RunLayout`, storage options, config, tokenizer, the run's
 actors (an :class:`RunActors`, whose ``policy`` / ``generation`` are typed by the
 ``PolicyInterface`` / ``GenerationInterface`` Protocols) and the observers of stage events. For each
@@ -15,7 +15,7 @@ re-plans for), and the failed refit attempts of the step in progress.
 
 Observers (:class:`StageObserver`) see each stage start, finish its computation (before the commit)
 and commit, and each remote call into an actor group. Production code ships none; tests install a
-fault injector through them (``NRL_PLUGINS``, see :mod:`flows.plugins`).
+fault injector through them (``NRL_PLUGINS``, see :mod:`flows.run.plugins`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Observers:
 
 
 class RunActors(Protocol):
-    """The run's actor groups and how to (re)create them (implemented in :mod:`flows.runtime`)."""
+    """The run's actor groups and how to (re)create them (implemented in :mod:`flows.run.runtime`)."""
 
     namespace: str
     #: the handles (``None`` until started; a DPO run has no generation, most runs no reward model)

@@ -1,4 +1,4 @@
-"""The stages of one DPO step (``nrl dpo``; the loop, checkpoints and resume: :mod:`flows.dpo`)::
+"""The stages of one DPO step (``nrl dpo``; the loop, checkpoints and resume: :mod:`flows.algorithms.dpo`)::
 
     pairs = preference_pairs(ctx)                  # the step's pairs, tokenised        -> pairs
     reference = reference_logprobs(ctx, pairs)     # the frozen reference's logprobs    -> reference

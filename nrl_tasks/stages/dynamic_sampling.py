@@ -1,7 +1,7 @@
 """``dynamic_sampling`` stage (DAPO): the step's ``prompts``, ``rewards`` and ``rollouts`` from its
 generation batches.
 
-With ``grpo.use_dynamic_sampling`` the data stages of a step read (:func:`flows.step.data_stages`)::
+With ``grpo.use_dynamic_sampling`` the data stages of a step read (:func:`flows.algorithms.step.data_stages`)::
 
     for j in 0, 1, ...:                       # until num_prompts_per_step groups have reward variance
         p[j] = prompts(ctx_j); r[j] = generate(ctx_j, p[j], v); s[j] = score(ctx_j, r[j])

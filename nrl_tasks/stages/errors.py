@@ -1,7 +1,7 @@
 """What can go wrong in a stage, and which of it a retry can fix.
 
 An **actor fault** (:func:`is_actor_fault`) is a dead, unreachable, stuck or stale actor: the flow
-re-plans the run's recovery (re-create, restore, replay, refit; :mod:`flows.recovery`) and runs the
+re-plans the run's recovery (re-create, restore, replay, refit; :mod:`flows.run.recovery`) and runs the
 step again, up to the run's retry settings. Bad data, bad config and damaged storage are not actor
 faults: they fail the run with their own message.
 

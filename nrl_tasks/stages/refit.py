@@ -24,7 +24,7 @@ A failed attempt is aborted cleanly (:func:`abort_refit`): every generation work
 answers is (still) marked stale, read from its control thread even while its main thread is
 blocked, and the producer's broadcast group is closed; the failure is recorded on the run. The
 task itself does not retry: a failed refit fails the step, and the flow's recovery
-(:mod:`flows.recovery`) re-creates a dead or stuck worker on either side (fresh generation
+(:mod:`flows.run.recovery`) re-creates a dead or stuck worker on either side (fresh generation
 workers hold the initial weights; a fresh producer is restored to the version from the last
 checkpoint and the persisted train stages), refits over a new communicator on a fresh port and
 runs the step again, under ``grpo.refit.retries`` / ``grpo.refit.retry_delay_s``. The refit that

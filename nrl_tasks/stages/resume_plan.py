@@ -34,7 +34,7 @@ plan **generates** each such step when the replay holds its version (``generate_
 steps, the generation workers refitted to it first) and replays on to ``last``. A live policy at
 ``last`` is restored for it too: the rollouts then come from their scheduled weights exactly.
 
-The flow carries the plan out with one executor (:func:`flows.recovery.execute_plan`), at the
+The flow carries the plan out with one executor (:func:`flows.run.recovery.execute_plan`), at the
 start of every run and after every actor fault, before the failed step runs again.
 """
 
