@@ -2,7 +2,7 @@
 
 - ``config.yaml`` is written once when the run is created (credentials redacted, hash inside);
   a resume with a different config hash is refused with both hashes in the message.
-- ``status.json`` (``status``: running | completed | failed, ``last_step``, ``flow_run_id``,
+- ``status.json`` (``status``: running | completed | interrupted | failed, ``algorithm``: grpo | dpo | sft, ``last_step``, ``flow_run_id``,
   ``updated_unix``, ``error``, ``flow_process``: host/pid/start time of the flow process,
   ``local_ray``: the session directory of a local Ray it started) feeds ``nrl runs``, which
   shows a ``running`` run whose flow process is gone as crashed (:mod:`flows.run.process`).
@@ -154,6 +154,8 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
             continue
         status = read_status(layout, storage_options) or {}
         last = trained_prefix(layout, storage_options=storage_options)
+        if status.get("algorithm") == "sft":  # an SFT warm start persists no step datasets
+            last = int(status.get("last_step") or 0)
         holder = live_holder(layout, storage_options)
         out.append(
             {

@@ -301,8 +301,38 @@ def create_broadcast_group(
     return BroadcastGroup(pg, store, rank, world_size, float(timeout_s), backend)
 
 
+#: rendezvous ports are drawn from here up to the kernel's ephemeral range (above Ray's worker
+#: ports, 10002-19999 by default)
+RENDEZVOUS_PORT_FLOOR = 20000
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (another process may still take it)."""
+    """A TCP port that was free on ``host`` a moment ago, for a rendezvous bound soon after.
+
+    Drawn at random below the kernel's ephemeral range: a port the kernel hands out itself
+    (``bind(0)``) is one any outgoing connection on the machine may take before the rendezvous
+    binds it (seen as EADDRINUSE with several jobs on one machine); this range only another
+    rendezvous could take, and a random draw makes that rare. Falls back to the kernel's pick."""
+    import random
+
+    top = _ephemeral_floor()
+    draw = random.SystemRandom()
+    for _ in range(64 if top - RENDEZVOUS_PORT_FLOOR > 256 else 0):
+        port = draw.randrange(RENDEZVOUS_PORT_FLOOR, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
