@@ -252,7 +252,7 @@ def grpo(
     ) as session:
         cfg, layout, opts = session.cfg, session.layout, session.storage_options
         if session.start.deletes:  # checked by the resume entry (flows.run.start), with the damaged data
-            log.info("recompute %s: deleted %s", recompute, apply_recompute(layout, specs, opts))
+            log.info("recompute %s: deleted %s", recompute, apply_recompute(layout, specs, opts, deletes=session.start.deletes))
         with session.running(max_steps=cfg.grpo.max_num_steps):
             log.info("%s run %s at %s (config hash %s)", "resuming" if session.resuming else "starting", run_id,
                      layout.run_uri, session.config_hash)

@@ -228,13 +228,19 @@ def plan_recompute(
 
 
 def apply_recompute(
-    layout: RunLayout, specs: list[tuple[str, int]], storage_options: dict[str, Any] | None = None
+    layout: RunLayout,
+    specs: list[tuple[str, int]],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    deletes: Iterable[tuple[int, str]] | None = None,
 ) -> list[str]:
-    """Delete what :func:`plan_recompute` names (manifest first: never half-valid); the deleted URIs."""
+    """Delete what :func:`plan_recompute` names (manifest first: never half-valid); the deleted URIs.
+    ``deletes``: that list when the caller has it (the resume entry planned it), so the run's
+    checkpoint files are not verified a second time."""
     import storage
 
     deleted = []
-    for step, ds in plan_recompute(layout, specs, storage_options):
+    for step, ds in plan_recompute(layout, specs, storage_options) if deletes is None else deletes:
         uri = layout.stage_uri(step, ds)
         if storage.exists(uri, storage_options=storage_options):
             storage.delete_batch(uri, **_kw(storage_options))

@@ -83,10 +83,6 @@ def _flow_run_id() -> str | None:
     return str(flow_run.id) if flow_run.id else None
 
 
-def _keep_actors() -> bool:
-    return nrl_settings().keep_actors
-
-
 @dataclass
 class RunSession:
     """A run under its lease (see the module docstring); made by :func:`run_session`."""
@@ -167,7 +163,7 @@ class RunSession:
             prefect_server=ephemeral_prefect_servers(),
         )
         add_flow_run_tags(self.flow_run_id, [run_tag(self.run_id)])
-        keep = _keep_actors()
+        keep = nrl_settings().keep_actors
         own_ray = not ray_connected()  # a local Ray started in the session is stopped when it ends
         try:
             with retry_policy(self.cfg.storage.retry.policy()):

@@ -45,8 +45,6 @@ class StartPlan:
     run_id: str
     algorithm: str
     resume: bool
-    #: the ``--recompute`` items, parsed (``(stage, step)``)
-    recompute: tuple[tuple[str, int], ...] = ()
     #: ``(step, dataset)`` they delete
     deletes: tuple[tuple[int, str], ...] = ()
     facts: RunFacts | None = None
@@ -96,4 +94,4 @@ def plan_start(
         check_resume_data(layout, opts, skip=deletes, window=(window.anchor, window.last_trained))
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
     plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    return StartPlan(layout.run_id, algorithm, True, tuple(specs), deletes, facts, plan)
+    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan)
