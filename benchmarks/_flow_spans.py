@@ -2,7 +2,7 @@
 
 :class:`FlowSpans` wraps a few functions of the flow process with wall-clock counters while it
 is active (``with FlowSpans() as spans: grpo(...)``) and snapshots them at the start of every
-step (``flows.run.recovery.run_step``) and at its end (after the ``apply_retention`` that closes it); a step's
+step (``flows.algorithms.driver.StepDriver._begin``) and at its end (after the ``apply_retention`` that closes it); a step's
 seconds per component are the differences. The components are exclusive (none is counted
 inside another one), so ``other`` is the step wall time minus all of them (actor work and
 stage glue included; the benchmark subtracts the actor work recorded in ``metrics.jsonl``).
@@ -77,7 +77,7 @@ class FlowSpans:
         import storage
 
         import flows.algorithms.grpo as grpo
-        import flows.run.recovery as recovery
+        import flows.algorithms.driver as driver
         import flows.algorithms.step as step
         from flows.observe.artifacts import BackgroundPublisher
         from nrl_tasks.models.policy import lm_policy_refit
@@ -118,8 +118,8 @@ class FlowSpans:
         self._time(lm_policy_refit.PolicyRefitMethods, "weights_checksum", "checksum")
         self._time(step, "upsert_metrics", "metrics")
         self._time(BackgroundPublisher, "submit", "metrics")
-        # a step: from the start of run_step to the end of the retention check that closes it
-        self._patch(recovery, "run_step", lambda old: self._marking(old, before=True))
+        # a step: from its start in the step driver to the end of the retention check that closes it
+        self._patch(driver.StepDriver, "_begin", lambda old: self._marking(old, before=True))
         self._patch(grpo, "apply_retention", lambda old: self._marking(old, before=False))
         return self
 

@@ -13,14 +13,14 @@ failed (``NRL_KEEP_ACTORS=1`` keeps it); ``status.json`` records the flow proces
 session, so a resume first stops what a SIGKILLed predecessor left of it (:mod:`flows.run.process`).
 
 Each step is a subflow ``<run_id>-step-0007`` whose stage tasks pass dataset references to each
-other (:mod:`flows.algorithms.step`). A stage that fails on an actor fault fails its step; the flow recovers
+other (:mod:`flows.algorithms.step`). A stage that fails on an actor fault fails its step; the driver recovers
 (:mod:`flows.run.recovery`: one resume plan, one executor) and runs the step again, up to
 ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s`` per stage (``grpo.refit.retries`` /
 ``grpo.refit.retry_delay_s`` for the refit).
 
-With ``grpo.async_grpo.enabled`` the steps follow the async schedule instead
-(:mod:`flows.algorithms.async_steps`: the generation of later steps overlaps the policy's work, on weights
-versions fixed by the step; same recovery, retries, metrics and retention).
+With ``grpo.async_grpo.enabled`` the generation of later steps overlaps the policy's work, on
+weights versions fixed by the step; one driver runs both schedules with the same recovery,
+retries, metrics and retention (:mod:`flows.algorithms.driver`).
 
 Per step: one line in ``metrics.jsonl``, the run summary artifact (:mod:`flows.observe.summary`), the
 progress artifact, one INFO log line (Prefect's per-run "Finished in state Completed()" lines are
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import time
 from typing import Any, Callable
-
-from dataclasses import replace
 
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
@@ -49,7 +47,6 @@ from flows.run.retention import RetentionPolicy, apply_retention
 from flows.algorithms.step import StepPlan, tag_flow_run
 from flows.config.resolve import new_run_id, resolve_config
 from flows.run.session import RunIntent, run_session
-from flows.run.state import trained_prefix
 from flows.observe.trackers import open_trackers, publish_tracker_links
 from flows.algorithms.warm_start import ensure_warm_start, with_warm_start_weights
 from nrl_tasks.run_layout import validate_run_id
@@ -109,31 +106,26 @@ def step_plan(cfg: MasterConfig, step: int, *, chash: str, write_line: bool = Tr
 
 
 def run_grpo_steps(
-    run: RunContext, *, chash: str, resume: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None
+    run: RunContext, *, chash: str, refit_generation: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None
 ) -> dict[str, Any]:
-    """Recover, then loop the steps of a run (the body of the flow). ``fence()`` runs before each
-    step and raises when this flow may no longer write the run (its lease was taken over).
+    """Recover, then run the steps of a run on its schedule (the body of the flow). ``fence()``
+    runs before each step and raises when this flow may no longer write the run (its lease was
+    taken over).
 
-    The loop is flat: each step is one subflow (:func:`flows.algorithms.step.grpo_step`) run by
-    :func:`flows.run.recovery.run_step`, which recovers and runs it again after an actor fault. The
-    last trained step of a resumed run runs once more (its stages are committed and skip; what it
-    had not finished, checkpoint, refit, validation, metrics line, is done).
-
-    Both modes run the same lanes (:mod:`flows.algorithms.lanes`). Synchronous GRPO is the schedule with
-    no lookahead, but its loop stays per step: the unit Prefect shows and retries is the step's
-    subflow (all of its stages, refit and validation included, ``-retry1`` after a fault), while
-    an async phase holds stages of several steps (``train(k)`` with ``generate(k+1..k+a)``)."""
-    from flows.run.recovery import RetryBudget, recover, run_step
+    One driver (:class:`flows.algorithms.driver.StepDriver`) runs synchronous GRPO (the schedule
+    with age 0: each step one subflow, :func:`flows.algorithms.step.grpo_step`, the unit a fault
+    retries) and async GRPO alike, recovering after actor faults. The last trained step of a
+    resumed run runs once more (its stages are committed and skip; what it had not finished,
+    checkpoint, refit, validation, metrics line, is done)."""
+    from flows.algorithms.driver import StepDriver
     from flows.algorithms.step import grpo_step, publish_step, without_subflow_heartbeats
+    from flows.run.recovery import RetryBudget, recover, run_step
     from nrl_tasks.stages.evaluate import validate
 
     cfg = run.cfg
     logger = get_run_logger()
     layout, opts = run.layout, run.storage_options
-    max_steps = cfg.grpo.max_num_steps
-    # every resume starts with a full refit (also a Prefect retry, which keeps resume=False)
-    force = bool(resume or getattr(run.actors, "generation_attached", False) or trained_prefix(layout, 1, opts))
-    restored = recover(run, max_steps, force_refit=force, policy_fresh=policy_fresh, log=logger)
+    restored = recover(run, cfg.grpo.max_num_steps, force_refit=refit_generation, policy_fresh=policy_fresh, log=logger)
     last = restored["plan"].target
     if restored["restored_from"] == "live" and last > 0 and getattr(run.actors, "policy_attached", False):
         logger.info("attached to live policy actors at weights version %d", last)
@@ -147,55 +139,33 @@ def run_grpo_steps(
     trackers = open_trackers(cfg, run.run_id, config_to_yaml(cfg))  # flows.observe.trackers: curves, resumed in place
     publisher.submit(trackers.sync, lines)  # what a crash kept from them
     publisher.submit(publish_tracker_links, trackers.links(), run.run_id)  # e.g. the MLflow run, as a link artifact
-    # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
-    step_fn = grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn)
-    if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
-        run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
-    step_wall: list[float] = []
-    loop_t0 = time.perf_counter()
-    if cfg.grpo.async_grpo.enabled:
-        from flows.algorithms.async_steps import run_async_steps
 
-        age = cfg.grpo.async_grpo.max_trajectory_age_steps
-        try:
-            step_wall = run_async_steps(
-                run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines), trained=last,
-                budget=budget, fence=fence,
-                publish=lambda *a, **k: publish_step(*a, publisher=publisher, progress=progress, trackers=trackers, **k),
-                # a resume may need the checkpoint at or before version step - age (the steps
-                # generated ahead on older weights): retention keeps what that resume reads
-                after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
-            )
-        finally:
-            publisher.close()
-            trackers.close()
-        return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
-                "step_wall_s": step_wall, "loop_s": time.perf_counter() - loop_t0}
+    def publish(ctx: Any, refs: Any, plan: StepPlan, **kw: Any) -> Any:
+        if refs.flow_run_id:
+            publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
+        return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, trackers=trackers, **kw)
+
+    # async GRPO: a resume may need the checkpoint at or before version step - age (the steps
+    # generated ahead on older weights): retention keeps what that resume reads
+    age = cfg.grpo.async_grpo.max_trajectory_age_steps if cfg.grpo.async_grpo.enabled else 0
+    driver = StepDriver(
+        run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines),
+        # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
+        step_unit=grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn),
+        budget=budget, fence=fence, publish=publish,
+        after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
+    )
     try:
+        if last == 0 and cfg.grpo.val_at_start and cfg.grpo.val_period:
+            run_step(run, 0, lambda attempt: validate(quote(run.step(0)), None, 0), budget, log=logger)
+        loop_t0 = time.perf_counter()
         with without_subflow_heartbeats():  # the step subflows (flows.algorithms.step): no ~0.9 s heartbeat join each
-            for step in range(last if last > 0 else 1, max_steps + 1):
-                if fence is not None:
-                    fence()
-                t0 = time.perf_counter()
-                plan = step_plan(cfg, step, chash=chash, write_line=step not in have_lines)
-                ctx = run.step(step)
-
-                def call(attempt: int, ctx=ctx, plan=plan) -> Any:
-                    return step_fn(quote(ctx), replace(plan, attempt=attempt))
-
-                refs = run_step(run, step, call, budget, log=logger)
-                if refs.flow_run_id:
-                    publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
-                publish_step(ctx, refs, plan, wall_seconds=time.perf_counter() - t0, publisher=publisher, progress=progress,
-                             trackers=trackers)
-                apply_retention(layout, retention, step, opts, pruned=pruned)
-                if step > last:
-                    step_wall.append(time.perf_counter() - t0)
+            walls = driver.run_from(last)
     finally:
         publisher.close()
         trackers.close()
-    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "step_wall_s": step_wall,
-            "loop_s": time.perf_counter() - loop_t0}
+    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
+            "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0}
 
 
 def _inline(fn: Any) -> Any:
@@ -258,7 +228,8 @@ def grpo(
                      layout.run_uri, session.config_hash)
             rt = session.start_runtime()
             info = run_grpo_steps(
-                session.context(), chash=session.config_hash, resume=resume, policy_fresh=not rt.policy_attached,
+                session.context(), chash=session.config_hash, policy_fresh=not rt.policy_attached,
+                refit_generation=session.start.refit_generation(workers_attached=rt.generation_attached),  # flows.run.start
                 fence=session.fence,
             )
     rows = read_metrics(layout.metrics_uri, opts)

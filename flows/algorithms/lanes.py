@@ -7,13 +7,14 @@
                        reward variance, then the step's prompts, rollouts and rewards: sampled_stages)
     policy lane       logprob -> advantages -> train -> checkpoint when due    on the policy workers
 
-Between and after them a driver refits the generation workers and validates when due. The
-drivers:
+Between and after them the step driver (:mod:`flows.algorithms.driver`) refits the generation
+workers and validates when due. Who calls them:
 
-- synchronous GRPO, one Prefect subflow per step (:func:`flows.algorithms.step.grpo_step`): the generation
-  lane inline on version ``step - 1``, then the policy lane, refit, validate;
-- async GRPO (:mod:`flows.algorithms.async_steps`): the generation lane of later steps submitted as
-  concurrent tasks (:class:`GenerationLane`) while the policy lane runs in the flow's thread;
+- synchronous GRPO, one Prefect subflow per step (:func:`flows.algorithms.step.grpo_step`, the
+  driver's unit at age 0): the generation lane inline on version ``step - 1``, then the policy
+  lane, refit, validate;
+- async GRPO (the driver at age > 0): the generation lane of later steps submitted as concurrent
+  tasks (:class:`GenerationLane`) while the policy lane runs in the flow's thread;
 - recovery (:mod:`flows.run.recovery`): a step generated again on its scheduled version, or a replayed
   step's missing datasets recomputed (:func:`data_stages`), before its ``train`` is replayed.
 
@@ -82,7 +83,7 @@ def sampled_stages(ctx: StepContext, version: int) -> dict[str, DatasetRef]:
 class GenerationLane:
     """The generation lane of later steps submitted to the generation workers as concurrent
     Prefect tasks, in step order (each waits for the one before: one set of workers), for the
-    async driver. ``{step: (prompts, rollouts future, rewards future)}``.
+    driver's async schedule. ``{step: (prompts, rollouts future, rewards future)}``.
 
     Async GRPO refuses dynamic sampling (``nrl_tasks.config.combinations``: a step's extra
     generation batches would not be fixed by the schedule), so submitted steps generate one batch."""

@@ -51,6 +51,13 @@ class StartPlan:
     #: recovery with fresh actors (``None``: a new run, or an SFT, which restarts from its first step)
     plan: ResumePlan | None = None
 
+    def refit_generation(self, *, workers_attached: bool) -> bool:
+        """Whether the generation workers get a full refit before the first step, whatever
+        version they report: when the run is continued (a resume, also a ``prefect flow-run
+        retry``, which passes no ``resume``: the run exists) and when the flow attached to workers
+        it did not start (a kept Ray)."""
+        return self.resume or workers_attached
+
     def describe(self) -> str:
         if not self.resume:
             return "a new run"

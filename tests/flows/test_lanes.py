@@ -1,5 +1,5 @@
-"""The lanes of a step are defined once (flows/algorithms/lanes.py): the drivers (the sync step subflow,
-async GRPO, recovery) call them and never the data stages' tasks themselves."""
+"""The lanes of a step are defined once (flows/algorithms/lanes.py): their callers (the step subflow,
+the step driver, recovery) call them and never the data stages' tasks themselves."""
 
 from __future__ import annotations
 
@@ -21,6 +21,6 @@ def _imported_names(path: Path) -> set[str]:
 
 
 def test_the_drivers_run_the_stages_through_the_lanes_only():
-    for rel in ("flows/algorithms/step.py", "flows/algorithms/async_steps.py", "flows/run/recovery.py"):
+    for rel in ("flows/algorithms/step.py", "flows/algorithms/driver.py", "flows/run/recovery.py"):
         assert not (_imported_names(ROOT / rel) & LANE_TASKS), (rel, sorted(_imported_names(ROOT / rel) & LANE_TASKS))
     assert LANE_TASKS <= _imported_names(ROOT / "flows/algorithms/lanes.py")
