@@ -34,7 +34,9 @@ from flows.observe.artifacts import publish_eval_table
 from flows.observe.eval_view import is_prefix, target_label
 from flows.config import MasterConfig, load_config
 from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from flows.run.session import own_local_ray, reading_session
 from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
+from storage import retry_policy
 
 __all__ = ["MAX_RUN_TAGS", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
 
@@ -118,9 +120,10 @@ def evaluate_checkpoint(
     root = check_storage_root(storage or "./runs", create=False)
     tag_eval_run([run_id])
     cfg = load_run_config(run_id, root)
-    recs = _records(cfg, run_id, dataset, max_prompts)
-    connect_ray(cfg)
-    res = evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
+    with reading_session(cfg):  # the retry policy; a local Ray it starts ends with it (flows.run.session)
+        recs = _records(cfg, run_id, dataset, max_prompts)
+        connect_ray(cfg)
+        res = evaluate(cfg, run_id, checkpoint, recs, dataset=dataset, num_samples=num_samples)
     if res.get("vanished"):
         from nrl_tasks.stages.evaluate import CheckpointVanishedError
 
@@ -213,8 +216,9 @@ def eval_sweep(
         tag_eval_run(run_ids)
     out: dict[str, list[Any]] = {"evaluated": [], "skipped": [], "vanished": [], "busy": [], "rows": []}
     try:
-        for run_id in run_ids:
-            out["rows"].extend(_sweep_run(root, run_id, dataset, num_samples, max_prompts, out))
+        with own_local_ray():  # one local Ray for the sweep, stopped at its end (flows.run.session)
+            for run_id in run_ids:
+                out["rows"].extend(_sweep_run(root, run_id, dataset, num_samples, max_prompts, out))
     finally:  # the runs with new evaluations, also when a later one failed
         tag_eval_run([c.split("/", 1)[0] for c in out["evaluated"]])
     published = False
@@ -233,6 +237,15 @@ def _sweep_run(
 ) -> list[dict[str, Any]]:
     """Evaluate the checkpoints of one run that have no evaluation (each ``run/checkpoint`` appended
     to its outcome's list in ``out``); return the run's rows."""
+    cfg = load_run_config(run_id, root)
+    with retry_policy(cfg.storage.retry.policy()):  # the run's storage retry policy, as its own flows apply it
+        return _sweep_checkpoints(cfg, root, run_id, dataset, num_samples, max_prompts, out)
+
+
+def _sweep_checkpoints(
+    cfg: MasterConfig, root: str, run_id: str, dataset: str | None, num_samples: int, max_prompts: int | None,
+    out: dict[str, list[Any]],
+) -> list[dict[str, Any]]:
     import storage as _st
 
     from flows.run.ray_session import connect_ray
@@ -240,7 +253,6 @@ def _sweep_run(
     from nrl_tasks.stages.evaluate import _eval_key, evaluate
 
     logger = get_run_logger()
-    cfg = load_run_config(run_id, root)
     layout = RunLayout(root, run_id)
     recs = None
     done: list[tuple[int, Mapping[str, Any]]] = []

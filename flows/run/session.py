@@ -31,6 +31,9 @@ Entering the session (:func:`run_session`):
 8. on success kills the run's actors; a local Ray this flow started is stopped however the run
    ends. ``NRL_KEEP_ACTORS=1`` keeps both.
 
+Evaluation reads runs without writing them: it enters :func:`reading_session` (the retry policy
+and the local Ray's end, no lease, no status).
+
 Exit codes (130 for SIGINT, 143 for SIGTERM) are the CLI's (:mod:`flows.cli`), from the same
 signals.
 """
@@ -59,7 +62,7 @@ from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import exception_chain
 from storage import fs, retry_policy
 
-__all__ = ["RunIntent", "RunSession", "run_session"]
+__all__ = ["RunIntent", "RunSession", "own_local_ray", "reading_session", "run_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +166,13 @@ class RunSession:
             prefect_server=ephemeral_prefect_servers(),
         )
         add_flow_run_tags(self.flow_run_id, [run_tag(self.run_id)])
-        keep = nrl_settings().keep_actors
-        own_ray = not ray_connected()  # a local Ray started in the session is stopped when it ends
         try:
-            with retry_policy(self.cfg.storage.retry.policy()):
+            with own_local_ray(self.run_id), retry_policy(self.cfg.storage.retry.policy()):
                 yield self
-            write_status(layout, opts, status="completed", last_step=max_steps, **self.end_fields)
-            rename_flow_run(self.flow_run_id, self.run_id)  # a finished run's flow run is named after the run
-            if self.runtime is not None and not keep:
-                self.runtime.shutdown()  # kill the actors, remove the placement groups
+                write_status(layout, opts, status="completed", last_step=max_steps, **self.end_fields)
+                rename_flow_run(self.flow_run_id, self.run_id)  # a finished run's flow run is named after the run
+                if self.runtime is not None and not nrl_settings().keep_actors:
+                    self.runtime.shutdown()  # kill the actors, remove the placement groups
         except BaseException as exc:
             # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
             stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
@@ -180,9 +181,31 @@ class RunSession:
             except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
                 log.warning("could not record the run's end in status.json: %s", status_exc)
             raise
-        finally:
-            if own_ray and not keep:
-                shutdown_local_ray(self.run_id)
+
+
+@contextlib.contextmanager
+def own_local_ray(run_id: str | None = None) -> Iterator[None]:
+    """A local Ray started inside (no Ray was connected on entry) is stopped when this ends,
+    however it ends; ``NRL_KEEP_ACTORS=1`` keeps it."""
+    own = not ray_connected()
+    try:
+        yield
+    finally:
+        if own and not nrl_settings().keep_actors:
+            shutdown_local_ray(run_id)
+
+
+@contextlib.contextmanager
+def reading_session(cfg: MasterConfig) -> Iterator[None]:
+    """What a flow that reads runs without writing them (evaluation: :mod:`flows.algorithms.evaluate`)
+    shares with the run session: the config's storage retry policy over everything inside, and
+    a local Ray it starts stopped at its end (:func:`own_local_ray`).
+
+    It takes no lease and writes no status: evaluation runs beside the run's writer (a cron sweep
+    while the run trains), each checkpoint claimed for the time of its evaluation
+    (:mod:`nrl_tasks.stages.evaluate`)."""
+    with own_local_ray(), retry_policy(cfg.storage.retry.policy()):
+        yield
 
 
 @contextlib.contextmanager
