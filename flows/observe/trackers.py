@@ -35,9 +35,12 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flows.observe.tracker_fields import eval_fields, redact_url, scalar_fields
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = [
     "MLflowTracker",
@@ -188,7 +191,7 @@ def _warn(tracker: Any, exc: BaseException, what: str) -> None:
     logger.warning("tracker %s: %s (%s)", type(tracker).__name__, redact_url(str(exc)), what)
 
 
-def _config_dict(cfg: Any, config_yaml: str | None) -> dict[str, Any]:
+def _config_dict(cfg: MasterConfig, config_yaml: str | None) -> dict[str, Any]:
     """The resolved config as a nested dict: ``config_yaml`` parsed (credentials already
     redacted, with its hash) or else ``cfg`` dumped with ``storage`` redacted; URL credentials
     (a tracking URI's ``user:pass@``) hidden either way."""
@@ -214,7 +217,7 @@ def _redact_urls(obj: Any) -> Any:
     return redact_url(obj) if isinstance(obj, str) else obj
 
 
-def open_trackers(cfg: Any, run_id: str, config_yaml: str | None = None) -> TrackerSet:
+def open_trackers(cfg: MasterConfig, run_id: str, config_yaml: str | None = None) -> TrackerSet:
     """The trackers the config enables (``logger.{tensorboard,mlflow,wandb}_enabled``); one that
     cannot open is warned about and left out."""
     lg = cfg.logger

@@ -25,13 +25,16 @@ by a resume and are not checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from nrl_tasks.run_layout import DATA_STAGES, RunLayout
 from nrl_tasks.stages import graph
 from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import STAGES, dependants
 from nrl_tasks.stages.resume_plan import read_run_facts
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = [
     "DATASET_STAGE",
@@ -100,7 +103,7 @@ class DamagedDataset:
 SAMPLED_NAMES = ("prompts", "generate", "rollouts", "score", "rewards")
 
 
-def check_recompute_config(specs: list[tuple[str, int]], cfg: Any) -> None:
+def check_recompute_config(specs: list[tuple[str, int]], cfg: MasterConfig) -> None:
     """``ValueError`` for ``--recompute`` items the run's config does not allow (dynamic sampling:
     :data:`SAMPLED_NAMES`)."""
     if not cfg.grpo.use_dynamic_sampling:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
@@ -48,6 +48,9 @@ from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
 from nrl_tasks.stages.health import probe_actors
 from nrl_tasks.stages.refs import StepRefs
 from nrl_tasks.stages.resume_plan import ResumePlan, grpo_facts_options, plan_resume, read_run_facts
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["RetryBudget", "execute_plan", "recover", "recover_after", "run_step"]
 
@@ -210,7 +213,7 @@ def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy
 class RetryBudget:
     """Retries left per ``(step, stage)`` and the delay before each (the run's retry settings)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: MasterConfig) -> None:
         g = cfg.grpo
         self._limits = {"refit": (int(g.refit.retries), _delays(g.refit.retry_delay_s))}
         self._default = (int(g.stage_retries), _delays(g.stage_retry_delay_s))

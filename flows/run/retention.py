@@ -39,10 +39,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from nrl_tasks.run_layout import GEN_BATCHES_DIR, RunLayout, join_uri
 from nrl_tasks.stages.graph import STEP_INPUTS
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = [
     "PRUNABLE_STAGES",
@@ -82,7 +85,7 @@ class RetentionPolicy:
                 raise ValueError(f"retention: {name} must be None or >= 1, got {v!r}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RetentionPolicy":
+    def from_config(cls, cfg: MasterConfig) -> "RetentionPolicy":
         """From a ``MasterConfig`` (``storage.keep_last_k_steps``, ``checkpointing.*``)."""
         ck = cfg.checkpointing
         return cls(

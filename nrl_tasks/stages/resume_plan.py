@@ -42,10 +42,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import STEP_INPUTS
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["ActorHealth", "ResumePlan", "RunFacts", "grpo_facts_options", "plan_resume", "read_run_facts"]
 
@@ -254,7 +257,7 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
     )
 
 
-def grpo_facts_options(cfg: Any) -> dict[str, Any]:
+def grpo_facts_options(cfg: MasterConfig) -> dict[str, Any]:
     """The :func:`read_run_facts` options of a GRPO run's config: its trajectory age (async GRPO),
     step budget and the datasets its steps do not make (``logprobs`` when nothing reads them)."""
     from nrl_tasks.stages.logprob import logprob_needed

@@ -26,7 +26,10 @@ which is what makes an async run resumable to identical weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["Event", "StepSchedule"]
 
@@ -54,8 +57,8 @@ class StepSchedule:
             raise ValueError(f"the trajectory age must be >= 1 in async mode, got {self.age}")
 
     @classmethod
-    def from_config(cls, cfg: object) -> "StepSchedule":
-        grpo = getattr(cfg, "grpo")
+    def from_config(cls, cfg: MasterConfig) -> "StepSchedule":
+        grpo = cfg.grpo
         a = grpo.async_grpo
         return cls(grpo.max_num_steps, a.max_trajectory_age_steps if a.enabled else None)
 
