@@ -16,16 +16,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Fast suite (CI's gate, ~12 min on 2 cores). Two test processes (pytest-xdist, one Ray and one
+# Fast suite (CI's gate, ~8 min on 2 cores). Two test processes (pytest-xdist, one Ray and one
 # Prefect server each; a module's tests stay together): most tests wait on servers and
-# subprocesses, so two share the 2 cores well. `make test-slow` runs the long fault, scale-out and
-# soak suites (marked `slow`) in one process (~45 min): in three (29 min) the cron-scheduled
-# deployment test saw one sweep too many under the load; `make test-all` runs both.
+# subprocesses, so two share the 2 cores well. `make test-slow` runs the long fault, kill/resume,
+# scale-out and soak suites (marked `slow`) the same way (~20 min); `make test-all` runs both.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow --durations=15
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=15
 
 test-all: test test-slow
 

@@ -39,6 +39,9 @@ from tests.faults.helpers import (
 )
 from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors, tiny_run_config
 
+#: whole flow runs killed and recovered (~4 min): the slow suite, so make test stays under 10 minutes
+pytestmark = pytest.mark.slow
+
 RUN_ID = "faults-actors"
 FAULTS = "generation:generate@2, policy:train@2, generation:refit@2:freeze, policy:train@3:sigkill"
 

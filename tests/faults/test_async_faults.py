@@ -28,6 +28,9 @@ import yaml
 from tests.faults.helpers import assert_same_rollouts, env_vars, fired, read_fault_log, run_nrl, train_checksum
 from tests.fixtures.grpo_runs import ASYNC_OVERRIDES, ASYNC_RUN_ID, kill_run_actors, tiny_run_config
 
+#: whole flow runs killed and recovered (~4 min): the slow suite, so make test stays under 10 minutes
+pytestmark = pytest.mark.slow
+
 STEPS = (1, 2, 3, 4)
 
 
@@ -82,7 +85,6 @@ def test_async_flow_killed_during_step_3_resumes_bit_identical(tmp_path, prefect
     _kill_and_resume("train@3:during", "async-kill-train3", tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["generate@4:during", "refit@2:during", "checkpoint@4:during", "logprob@3:before"])
 def test_async_flow_killed_then_resumed(kill_at, tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run):
     run_id = "async-kill-" + kill_at.replace("@", "-").replace(":", "-")

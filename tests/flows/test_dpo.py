@@ -83,6 +83,7 @@ def test_margin_rises_and_every_step_is_persisted(dpo_run):
         assert json.load(fh)["status"] == "completed"
 
 
+@pytest.mark.slow  # a killed whole-flow run and its resume: in the slow suite (keeps make test under 10 minutes)
 def test_killed_mid_update_then_resumed_is_bit_identical(dpo_run, tmp_path, prefect_harness, ray_session, tiny_model_dir):
     root = str(tmp_path / "runs")
     cfg_path = tmp_path / "dpo.yaml"
@@ -163,6 +164,7 @@ def _popen_nrl(args: list[str], api_url: str) -> Any:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # a killed whole-flow run and its resume: in the slow suite (keeps make test under 10 minutes)
 def test_sigterm_exits_143_interrupted_then_resumes_bit_identically(dpo_run, tmp_path, prefect_harness, ray_session, tiny_model_dir):
     """The run session's guarantees, for DPO as for GRPO: SIGTERM stops the flow cleanly (exit
     143, ``status.json`` ``interrupted``, not ``failed``) and ``nrl resume`` ends on the

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.flows.conftest import E2E_RUN_ID, REPO, kill_run_actors, tiny_run_config
@@ -42,6 +43,7 @@ def _checkpoint_bytes(root: str, run_id: str, step: int) -> dict[str, bytes]:
     return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d)) if f.endswith(".safetensors")}
 
 
+@pytest.mark.slow  # a killed whole-flow run and its resume: in the slow suite (keeps make test under 10 minutes)
 def test_kill_and_resume_is_bit_identical(e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
     import storage
 

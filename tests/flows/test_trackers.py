@@ -87,6 +87,7 @@ def test_a_failing_tracker_is_warned_about_and_the_others_go_on(tmp_path, caplog
     good.close()
 
 
+@pytest.mark.slow  # a killed whole-flow run and its resume: in the slow suite (keeps make test under 10 minutes)
 def test_grpo_run_and_its_resume_write_one_curve_point_per_step(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
