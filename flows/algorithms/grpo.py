@@ -41,7 +41,7 @@ from flows.observe.artifacts import BackgroundPublisher, ProgressHandle
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
-from flows.config.preflight import check_reward_fn
+from flows.config.preflight import check_plugins
 from flows.run.recompute import apply_recompute, parse_recompute
 from flows.run.retention import RetentionPolicy, apply_retention
 from flows.algorithms.step import StepPlan, tag_flow_run
@@ -213,7 +213,7 @@ def grpo(
     specs = parse_recompute(recompute)
     if specs and not resume:
         raise ValueError("recompute needs resume=True")
-    check_reward_fn(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
+    check_plugins(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
     log = get_run_logger()
     intent = RunIntent(resume=resume, take_over=take_over)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from flows.config import MasterConfig
 
-__all__ = ["check_reward_fn", "preflight"]
+__all__ = ["check_environment", "check_plugins", "check_reward_fn", "preflight"]
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
@@ -38,13 +38,29 @@ def check_reward_fn(cfg: MasterConfig) -> None:
             raise ValueError(f"env.reward_fn: {exc}") from None
 
 
+def check_environment(cfg: MasterConfig) -> None:
+    """``ValueError`` naming ``env.environment`` when the environment does not import, is not an
+    environment class or cannot be built with ``env.environment_kwargs`` (built here once, in this
+    process, before Ray starts)."""
+    from nrl_tasks.environments.loading import make_environment
+
+    if cfg.env.environment is not None:
+        make_environment(cfg.env.environment, cfg.env.environment_kwargs)
+
+
+def check_plugins(cfg: MasterConfig) -> None:
+    """The user code a run imports by name: ``env.reward_fn`` and ``env.environment``."""
+    check_reward_fn(cfg)
+    check_environment(cfg)
+
+
 def preflight(cfg: MasterConfig) -> None:
     """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
     from flows.run.plugins import load_observers
     from flows.run.ray_session import check_local_ray_size
     from nrl_tasks.stages.data import load_prompt_records
 
-    check_reward_fn(cfg)
+    check_plugins(cfg)
     load_observers()
     opts = cfg.storage.storage_options or None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])

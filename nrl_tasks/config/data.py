@@ -25,7 +25,9 @@ class ArithmeticDataConfig(Section):
 
 
 class DataConfig(Section):
-    dataset: Literal["arithmetic", "file"] = "arithmetic"
+    #: ``calculator`` / ``guess_number``: the built-in environments' prompts, sized and ranged by
+    #: ``data.arithmetic`` (``num_train``, ``num_val``, ``max_operand``; the calculator also ``ops``)
+    dataset: Literal["arithmetic", "file", "calculator", "guess_number"] = "arithmetic"
     train_path: str | None = Field(None, description="JSONL/Parquet/Arrow, local or s3://")
     val_path: str | None = None
     prompt_key: str = "prompt"
@@ -77,6 +79,12 @@ class EnvConfig(Section):
     name: Literal["arithmetic"] = "arithmetic"
     reward_fn: str | None = Field(None, description="'package.module:function' (default: exact match)")
     reward_model: RewardModelEnvConfig = Field(default_factory=RewardModelEnvConfig)
+    environment: str | None = Field(
+        None, description="a multi-turn environment: a built-in ('calculator', 'guess_number') or "
+        "'package.module:ClassName' implementing nrl_tasks.environments.interfaces.EnvironmentInterface",
+    )
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the environment class")
+    num_workers: int = Field(1, ge=1, le=1024, description="Ray actors running the environment, <= 1024")
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
@@ -84,6 +92,8 @@ class EnvConfig(Section):
             mod, _, fn = self.reward_fn.partition(":")
             if not mod or not fn or ":" in fn:
                 raise ValueError(f"env.reward_fn must look like 'package.module:function', got {self.reward_fn!r}")
+        if self.environment is not None and (self.reward_fn is not None or self.reward_model.enabled):
+            raise ValueError("env.environment rewards the episodes itself: drop env.reward_fn / env.reward_model.enabled")
         if self.reward_model.enabled:
             if self.reward_fn is not None:
                 raise ValueError("env.reward_fn and env.reward_model.enabled are mutually exclusive")

@@ -67,6 +67,10 @@ class GRPOConfig(Section):
     dynamic_sampling_max_gen_batches: int = Field(
         10, ge=1, le=1000, description="dynamic sampling: generation batches per step before the step fails; <= 1000",
     )
+    max_rollout_turns: int = Field(
+        1, ge=1, le=1024, description="NeMo-RL's key: turns per episode with env.environment (generate, the "
+        "environment answers, generate again: nrl_tasks.stages.multi_turn); 1: single-turn; <= 1024",
+    )
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
 

@@ -30,6 +30,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
+    "env": {"num_workers"},  # how many actors run the environment, not what it answers
 }
 
 
@@ -40,6 +41,9 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "use_dynamic_sampling"),
     ("grpo", "batch_multiplier"),
     ("grpo", "dynamic_sampling_max_gen_batches"),
+    ("grpo", "max_rollout_turns"),
+    ("env", "environment"),
+    ("env", "environment_kwargs"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
