@@ -120,6 +120,10 @@ def drop_metrics_after(uri: str, step: int, storage_options: dict[str, Any] | No
     _fs().write_text_atomic(uri, "".join(json.dumps(r) + "\n" for r in rows), storage_options=storage_options)
 
 
+#: the ``generate`` figures of a multi-turn step (:mod:`nrl_tasks.stages.multi_turn`)
+MULTI_TURN_KEYS = ("turns_mean", "turns_max", "terminated_frac", "env_seconds")
+
+
 def build_step_metrics(
     step: int,
     manifests: Mapping[str, Mapping[str, Any] | None],
@@ -154,6 +158,12 @@ def build_step_metrics(
     for key in DYNAMIC_SAMPLING_KEYS:  # grpo.use_dynamic_sampling only
         value = get("rollouts", key) if key.startswith("dynamic") else get("rewards", key)
         if value is not None:
+            row[key] = value
+    for key in MULTI_TURN_KEYS:  # env.environment only: turns per episode, how episodes ended, environment time
+        if get("rollouts", key) is not None:
+            row[key] = get("rollouts", key)
+    for key, value in (manifests.get("rewards") or {}).items():  # the environment's own step metrics
+        if key.startswith("env_") and key not in row:
             row[key] = value
     row["new_tokens"] = get("rollouts", "new_tokens")
     row["truncated_frac"] = get("rollouts", "truncated_frac")

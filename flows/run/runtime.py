@@ -61,6 +61,7 @@ class Runtime:
     policy: Any = None
     generation: Any = None
     reward_model: Any = None
+    environment: Any = None  # EnvironmentWorkers when env.environment is set
     clusters: dict[str, Any] = field(default_factory=dict)
     policy_attached: bool = False
     generation_attached: bool = False
@@ -161,9 +162,19 @@ class Runtime:
                 init_optimizer=False, init_reference_model=False,
             )
 
+    def start_environment(self) -> None:
+        """The ``env.environment`` actors (``env.num_workers``), made fresh for each flow process:
+        an environment keeps no state between calls (the episode's state is its metadata)."""
+        env = self.cfg.env
+        if env.environment is None or self.environment is not None:
+            return
+        from nrl_tasks.environments.loading import EnvironmentWorkers
+
+        self.environment = EnvironmentWorkers(env.environment, env.environment_kwargs, env.num_workers, namespace=self.namespace)
+
     def shutdown(self) -> None:
         """Kill the actors and remove the placement groups (idempotent)."""
-        for name in ("generation", "policy", "reward_model"):
+        for name in ("environment", "generation", "policy", "reward_model"):
             h = getattr(self, name)
             if h is not None:
                 try:
@@ -259,6 +270,7 @@ def setup_runtime(
         rt.start_policy()
         rt.start_generation()
         rt.start_reward_model()
+        rt.start_environment()
     return rt
 
 

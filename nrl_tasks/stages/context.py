@@ -28,6 +28,7 @@ from nrl_tasks.run_layout import RunLayout
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
+    from nrl_tasks.environments.loading import EnvironmentWorkers
     from nrl_tasks.models.generation.interfaces import GenerationInterface
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
@@ -72,6 +73,8 @@ class RunActors(Protocol):
     policy: PolicyInterface
     generation: GenerationInterface
     reward_model: PolicyInterface | None
+    #: the multi-turn environment's actors (``env.environment``; ``None`` without one)
+    environment: EnvironmentWorkers | None
 
     def start_policy(self, *, fresh: bool = False) -> bool:
         """Attach to the run's policy actors or create them (``fresh``: always create). True if attached."""

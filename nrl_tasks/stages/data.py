@@ -235,6 +235,16 @@ def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_opt
             ops=tuple(a.ops),
             few_shot=getattr(a, "few_shot", 0),
         )
+    if data_cfg.dataset in ("calculator", "guess_number"):  # the built-in environments' prompts
+        a = data_cfg.arithmetic
+        num, env_seed = (a.num_train if split == "train" else a.num_val), derive_seed(seed, data_cfg.dataset, split) % (2**31)
+        if data_cfg.dataset == "calculator":
+            from nrl_tasks.environments.calculator import make_calculator_prompts
+
+            return make_calculator_prompts(num, env_seed, max_operand=a.max_operand, ops=tuple(a.ops))
+        from nrl_tasks.environments.guess_number import make_guess_prompts
+
+        return make_guess_prompts(num, env_seed, max_target=a.max_operand)
     path = data_cfg.train_path if split == "train" else data_cfg.val_path
     if not path:
         raise ValueError(f"data.{split}_path is not set")

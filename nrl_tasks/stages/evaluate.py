@@ -68,6 +68,11 @@ def evaluate_records(
     reward_model: PolicyInterface | None = None,
 ) -> BatchedDataDict:
     """Greedy (and ``num_samples`` sampled) responses of ``records`` with their rewards."""
+    if env_cfg.environment is not None:
+        raise ValueError(
+            f"evaluating a multi-turn environment (env.environment={env_cfg.environment!r}) is not built yet: "
+            "its episodes' rewards are the training metrics (reward_mean, turns_mean)"
+        )
     from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
     from nrl_tasks.stages.score import compute_rewards
 

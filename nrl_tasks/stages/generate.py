@@ -185,6 +185,15 @@ def generate(ctx: StepContext, prompts: DatasetRef, weights_version: int) -> Dat
         prompt_batch = inputs["prompts"]
         gen = ctx.generation
         ctx.actor_call("generate", "generation", gen.workers)
+        if ctx.cfg.env.environment is not None:  # episodes: the environment answers each turn
+            from nrl_tasks.stages.multi_turn import multi_turn_rollouts
+
+            rollouts, figures = multi_turn_rollouts(ctx, prompt_batch, weights_version)
+            gen_s = figures["generate_seconds"]
+            return rollouts, {
+                **figures, "tokens_per_s": figures["new_tokens"] / max(gen_s, 1e-9), "prompts_seconds": prompts.seconds,
+                "truncated_frac": float(rollouts["truncated"].float().mean()),
+            }
         with timer.phase("generate"):
             gen_out = gen.generate(generation_input(prompt_batch), greedy=False, weights_version=weights_version)
         rollouts = rollouts_from_generation(prompt_batch, gen_out, ctx.tokenizer)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import EnvConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["compute_rewards", "reward_function", "score"]
+__all__ = ["compute_rewards", "environment_rewards", "reward_function", "score"]
 
 _log = logging.getLogger(__name__)
 
@@ -75,12 +75,27 @@ def compute_rewards(
     return safe_rewards(fn, list(prompts), list(rollouts["response"]), list(rollouts["answer"]))
 
 
+def environment_rewards(ctx: StepContext, rollouts: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """A multi-turn step's ``(rewards, valid)`` (``env_rewards``, persisted by ``generate``) and
+    the environment's ``global_post_process_and_metrics`` figures (``env_<name>``, numbers only)."""
+    rewards = rollouts["env_rewards"].to(torch.float32)
+    valid = torch.isfinite(rewards)
+    _, metrics = ctx.run.actors.environment.post_process(rollouts)
+    figures = {f"env_{k}": float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return torch.where(valid, rewards, torch.zeros_like(rewards)), valid, figures
+
+
 @task(name="score", task_run_name="score-{ctx.run_id}-{ctx.label}", **TASK_DEFAULTS)
 def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
     """Score the step's rollouts; persist ``rewards``."""
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        rewards, valid, errors = compute_rewards(inputs["rollouts"], ctx.cfg.env, ctx.run.reward_model)
+        env_figures: dict[str, float] = {}
+        if ctx.cfg.env.environment is not None:  # the episodes' rewards, summed over turns when they were generated
+            rewards, valid, env_figures = environment_rewards(ctx, inputs["rollouts"])
+            errors: list[str] = []
+        else:
+            rewards, valid, errors = compute_rewards(inputs["rollouts"], ctx.cfg.env, ctx.run.reward_model)
         if errors:
             logger = _logger()
             for e in errors:
@@ -100,7 +115,7 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
             from nrl_tasks.algorithms.dynamic_sampling import groups_with_signal
 
             shaped["groups_with_signal"] = len(groups_with_signal(out["rewards"], valid, inputs["rollouts"]["group_id"]))
-        return BatchedDataDict(out), {**shaped,
+        return BatchedDataDict(out), {**shaped, **env_figures,
             # float64: a mean of float32 rewards near float32's max must not overflow to inf
             "reward_mean": float(rewards[valid].double().mean()) if n_valid else None,  # JSON has no NaN: None = no valid reward
             "invalid_rewards": int(valid.numel() - n_valid), "reward_errors": "; ".join(errors)[:2000],

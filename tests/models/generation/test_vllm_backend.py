@@ -299,3 +299,43 @@ def test_adapters_only_refit_is_refused_before_any_byte_moves(gen):
     info = RefitInfo.build(named, BUFFER, gen.weights_version + 1, adapter={"r": 8, "alpha": 32.0, "modules": [module]})
     with pytest.raises(RefitMismatchError, match="without LoRA support.*enable_lora"):
         gen.prepare_refit_info(info.to_dict())
+
+
+def test_multi_turn_rollouts_store_the_sampled_ids_exactly(gen, local, batch):
+    """Multi-turn episodes on the vLLM backend (nrl_tasks.stages.multi_turn): the ids vLLM returned
+    each turn are the stored ids at token_mask 1, in order; observations sit at mask 0."""
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+    from nrl_tasks.environments.loading import EnvironmentWorkers
+    from nrl_tasks.stages.multi_turn import MultiTurnRollout
+
+    tok = local[1]
+    n = len(PROMPTS)
+    calls = []
+
+    class Recording:
+        def generate(self, data, **kw):
+            out = gen.generate(data, **kw)
+            calls.append((data, out))
+            return out
+
+    env = EnvironmentWorkers("tests.environments.test_multi_turn:CountdownEnvironment", {"turns": 3})
+    try:
+        prompts = BatchedDataDict({**batch, "group_id": torch.arange(n), "record_index": torch.arange(n),
+                                   "prompt": list(PROMPTS), "answer": [""] * n})
+        roll = MultiTurnRollout(Recording(), env, tok, max_turns=3, max_total_tokens=128, max_new_tokens=12,
+                                chat_template=False, first_stop_strings=None, pad_id=tok.pad_token_id,
+                                stop_ids=[tok.eos_token_id])
+        out = roll.run(prompts, [[{"role": "user", "content": p}] for p in PROMPTS], [{"answer": ""}] * n, weights_version=None)
+    finally:
+        env.shutdown()
+    assert len(calls) == 3 and all(res["output_ids"].shape[0] == n for _, res in calls)  # 3 turns, every episode
+    assert out["terminated"].all()
+    for i in range(n):
+        sampled: list[int] = []
+        for data, res in calls:
+            start, g = int(data["input_lengths"][i]), int(res["generation_lengths"][i])
+            sampled += res["output_ids"][i, start : start + g].tolist()
+        k = int(out["input_lengths"][i])
+        m = out["token_mask"][i, :k].bool()
+        assert out["input_ids"][i, :k][m].tolist() == sampled
+        assert "turn 1 of 3: go on" in tok.decode(out["input_ids"][i, :k][~m].tolist())

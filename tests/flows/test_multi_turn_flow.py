@@ -1,0 +1,91 @@
+"""A user-written environment (tests/environments/test_multi_turn.py, not a built-in), configured
+only through ``env.environment``, trains through ``nrl grpo`` with ``grpo.max_rollout_turns=3``;
+a SIGKILL during a multi-turn ``generate`` and ``nrl resume`` end bit-identical to the
+uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.environments.test_multi_turn import mask_spans
+from tests.faults.helpers import assert_same_rollouts, run_nrl, train_checksum
+from tests.fixtures.grpo_runs import TINY_CONFIG
+
+ENV = "tests.environments.test_multi_turn:CountdownEnvironment"
+ARGS = [
+    f"env.environment={ENV}", "env.environment_kwargs={turns: 3}", "env.num_workers=2", "grpo.max_rollout_turns=3",
+    "data.chat_template=true", "policy.max_total_sequence_length=160", "grpo.max_num_steps=2", "checkpointing.save_period=1",
+]
+
+
+def _grpo(root: str, run_id: str, model: str, api: str, **kw):
+    return run_nrl(["grpo", "--config", TINY_CONFIG, "--storage", root, "--run-id", run_id, f"policy.model_name={model}", *ARGS],
+                   api, **kw)
+
+
+@pytest.fixture(scope="module")
+def multi_turn_run(tmp_path_factory, tiny_model_dir, prefect_harness):
+    root = str(tmp_path_factory.mktemp("multi_turn"))
+    proc = _grpo(root, "mt", tiny_model_dir, prefect_harness, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"root": root, "run_id": "mt"}
+
+
+def test_a_user_environment_trains_multi_turn_through_nrl_grpo(multi_turn_run, tiny_model_dir):
+    import storage
+    from transformers import AutoTokenizer
+
+    root, run_id = multi_turn_run["root"], multi_turn_run["run_id"]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for step in (1, 2):
+        r = storage.load_batch(os.path.join(root, run_id, "steps", f"step_{step:06d}", "rollouts"))
+        assert r["num_turns"].max() >= 2
+        for i in range(r.size):
+            k = int(r["input_lengths"][i])
+            ids, m = r["input_ids"][i, :k], r["token_mask"][i, :k].bool()
+            log = json.loads(r["message_log"][i])
+            observations = [msg["content"] for msg in log if msg["role"] == "user"][1:]
+            assert len(observations) == int(r["num_turns"][i]) - 1
+            unmasked = tok.decode(ids[~m].tolist())
+            assert all(o in unmasked for o in observations)  # the observations sit at token_mask 0
+            assert not any(o in tok.decode(ids[m].tolist()) for o in observations)
+            assistant = [msg["content"] for msg in log if msg["role"] == "assistant"]
+            assert [tok.decode(s, skip_special_tokens=True) for s in mask_spans(ids, m)] == assistant
+        rw = storage.load_batch(os.path.join(root, run_id, "steps", f"step_{step:06d}", "rewards"))
+        assert torch.equal(rw["rewards"], r["env_rewards"])
+    with open(os.path.join(root, run_id, "metrics.jsonl")) as fh:
+        rows = [json.loads(x) for x in fh]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["turns_mean"] >= 2 and row["turns_max"] <= 3 and row["env_seconds"] >= 0 for row in rows)
+
+
+@pytest.mark.slow  # a killed whole-flow run and its resume
+def test_killed_during_a_multi_turn_generate_then_resumed_is_bit_identical(multi_turn_run, tmp_path, tiny_model_dir, prefect_harness):
+    root = str(tmp_path)
+    proc = _grpo(root, "mt", tiny_model_dir, prefect_harness, kill_at="generate@2:during", timeout=600)
+    assert proc.returncode != 0
+    proc = run_nrl(["resume", "mt", "--storage", root], prefect_harness, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in (1, 2):
+        assert_same_rollouts(multi_turn_run["root"], "mt", root, "mt", step)
+        assert train_checksum(multi_turn_run["root"], "mt", step) == train_checksum(root, "mt", step)
+
+
+@pytest.mark.slow  # two whole-flow runs
+def test_an_environment_that_raises_fails_the_run_naming_it_and_the_run_resumes_after_the_fix(tmp_path, tiny_model_dir, prefect_harness):
+    root, broken = str(tmp_path / "runs"), tmp_path / "broken"
+    broken.write_text("1")
+    args = ["grpo", "--config", TINY_CONFIG, "--storage", root, "--run-id", "broken", f"policy.model_name={tiny_model_dir}",
+            "env.environment=tests.environments.test_multi_turn:BrokenUntilFixedEnvironment",
+            f"env.environment_kwargs={{broken: {json.dumps(str(broken))}}}", "grpo.max_rollout_turns=2", "grpo.max_num_steps=1",
+            "policy.max_total_sequence_length=128"]
+    proc = run_nrl(args, prefect_harness, timeout=600)
+    assert proc.returncode == 1
+    assert "environment tests.environments.test_multi_turn:BrokenUntilFixedEnvironment: step() raised KeyError" in proc.stderr
+    broken.unlink()  # the fix
+    proc = run_nrl(["resume", "broken", "--storage", root], prefect_harness, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
