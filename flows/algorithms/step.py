@@ -170,8 +170,11 @@ def publish_step(
                 publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
                 n = cfg.logger.num_rollouts_to_show
                 if n > 0:
-                    r = storage.load_batch(ctx.uri("rollouts"), columns=["prompt", "response", "answer"], **ctx.storage_kw)
-                    md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n)
+                    convo = cfg.env.environment is not None  # multi-turn: show whole episodes too
+                    cols = ["prompt", "response", "answer", *(["message_log"] if convo else [])]
+                    r = storage.load_batch(ctx.uri("rollouts"), columns=cols, **ctx.storage_kw)
+                    md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n,
+                                           conversations=r["message_log"] if convo else None)
                     publisher.submit(publish_rollouts, run.run_id, md)
         line = format_console_line(run.run_id, row, plan.max_steps)
         get_run_logger().info(line)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import json
 import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "publish_progress",
     "publish_rollouts",
     "publish_summary",
+    "conversation_markdown",
     "rollouts_markdown",
 ]
 
@@ -142,8 +144,11 @@ def rollouts_markdown(
     answers: Sequence[str],
     rewards: Sequence[float],
     n: int = 4,
+    conversations: Sequence[str] | None = None,
 ) -> str:
-    """Markdown with the ``n`` best and ``n`` worst rollouts of a step by reward.
+    """Markdown with the ``n`` best and ``n`` worst rollouts of a step by reward; with
+    ``conversations`` (multi-turn episodes' ``message_log`` JSON) also the best and the worst
+    episode turn by turn (assistant turns, tool calls, the environment's observations).
 
     >>> md = rollouts_markdown("r", 1, ["p1", "p2"], ["a", "b"], ["x", "y"], [1.0, 0.0], n=1)
     >>> "Best" in md and "Worst" in md and "| 1.000 |" in md
@@ -158,11 +163,29 @@ def rollouts_markdown(
         lines += [f"| {rewards[i]:.3f} | {_cell(prompts[i])} | {_cell(responses[i])} | {_cell(answers[i], 40)} |" for i in idx]
         return "\n".join(lines)
 
-    return (
+    md = (
         f"# Rollouts of run `{run_id}`, step {step}\n\n"
         f"{len(rewards)} rollouts, mean reward {mean:.3f}.\n\n"
         f"## Best {len(best)}\n\n{table(best)}\n\n## Worst {len(worst)}\n\n{table(worst)}\n"
     )
+    if conversations is not None and order:
+        for title, i in (("Best", order[0]), ("Worst", order[-1])):
+            md += f"\n## {title} episode (reward {rewards[i]:.3f})\n\n{conversation_markdown(conversations[i])}\n"
+    return md
+
+
+def conversation_markdown(message_log: str, limit: int = 600) -> str:
+    """A ``message_log`` (JSON list of ``{"role", "content"}``) as a numbered list, one message a line.
+
+    >>> print(conversation_markdown('[{"role": "user", "content": "2*3?"}, {"role": "tool", "content": "6"}]'))
+    1. **user**: 2*3?
+    2. **tool**: 6
+    """
+    try:
+        log = json.loads(message_log)
+    except (TypeError, ValueError):
+        return f"(not a message log: {_cell(message_log, 80)})"
+    return "\n".join(f"{k}. **{_cell(m.get('role', '?'), 20)}**: {_cell(m.get('content', ''), limit)}" for k, m in enumerate(log, 1))
 
 
 def publish_rollouts(run_id: str, markdown: str) -> None:

@@ -63,6 +63,26 @@ def test_a_user_environment_trains_multi_turn_through_nrl_grpo(multi_turn_run, t
     assert all(row["turns_mean"] >= 2 and row["turns_max"] <= 3 and row["env_seconds"] >= 0 for row in rows)
 
 
+def test_the_rollouts_artifact_shows_whole_episodes(multi_turn_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.observe.artifacts import artifact_key
+
+    async def read():
+        async with get_client() as client:
+            key = ArtifactFilterKey(any_=[artifact_key(multi_turn_run["run_id"], "rollouts")])
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=key), limit=10)
+
+    arts = asyncio.run(read())
+    assert arts, "no rollouts artifact"
+    md = arts[0].data
+    assert "## Best episode" in md and "## Worst episode" in md
+    assert "**assistant**: " in md and "**user**: turn 1 of 3: go on" in md  # the environment's observation, in order
+
+
 @pytest.mark.slow  # a killed whole-flow run and its resume
 def test_killed_during_a_multi_turn_generate_then_resumed_is_bit_identical(multi_turn_run, tmp_path, tiny_model_dir, prefect_harness):
     root = str(tmp_path)
