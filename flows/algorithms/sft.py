@@ -1,7 +1,8 @@
 """SFT warm start: supervised fine-tuning on (prompt, answer) pairs with ``NLLLossFn``.
 
 ``sft(config, run_id, num_steps)`` trains the configured policy on the prompt dataset's
-reference answers (completion ``" " + answer + EOS``; only completion tokens count in the loss)
+reference answers (completion ``" " + answer + EOS``; only completion tokens count in the loss;
+a record's multi-turn ``demonstration``, where it has one, instead: its assistant turns)
 on the same Ray-hosted ``Policy``, then saves an HF-loadable checkpoint under
 ``<storage>/<run_id>/checkpoints/step_NNNNNN/weights``, which a GRPO run can start from
 (``policy.model_name=<that folder>``). Each training step is a Prefect task; the draw of step
@@ -28,18 +29,27 @@ __all__ = ["build_sft_batch", "sft"]
 
 
 def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any, max_len: int) -> Any:
-    """``input_ids, input_lengths, token_mask, sample_mask`` for prompt + ``" answer"`` + EOS."""
+    """``input_ids, input_lengths, token_mask, sample_mask`` for prompt + ``" answer"`` + EOS, or,
+    for a record with a ``demonstration`` (a multi-turn episode's messages after the prompt, e.g.
+    the calculator's tool call, result and answer), prompt + that episode with only its assistant
+    turns in the loss (:func:`~nrl_tasks.stages.multi_turn.demonstration_tokens`); at most the
+    last ``max_len`` tokens of a row."""
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-    from nrl_tasks.stages.data import completion_batch, format_prompt
+    from nrl_tasks.stages.data import format_prompt, masked_batch
+    from nrl_tasks.stages.multi_turn import demonstration_tokens
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     rows = []
     for r in records:
         p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
-        a = tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] + [eos]
-        rows.append((p[-(max_len - len(a)) :], a))
-    return BatchedDataDict({**completion_batch(rows, pad), "sample_mask": torch.ones(len(rows))})
+        if r.get("demonstration"):
+            ids, mask = demonstration_tokens(tokenizer, p, r["demonstration"], chat_template=data_cfg.chat_template, eos_id=eos)
+        else:
+            a = tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] + [eos]
+            ids, mask = p + a, [0.0] * len(p) + [1.0] * len(a)
+        rows.append((ids[-max_len:], mask[-max_len:]))
+    return BatchedDataDict({**masked_batch(rows, pad), "sample_mask": torch.ones(len(rows))})
 
 
 @task(name="sft-train", task_run_name="sft-{run.run_id}-step{step}", **TASK_DEFAULTS)

@@ -135,8 +135,10 @@ class CalculatorEnvironment(EnvironmentInterface):
 
 
 def make_calculator_prompts(num: int, seed: int, *, max_operand: int = 9999, ops: tuple[str, ...] = ("*",)) -> list[dict[str, str]]:
-    """``num`` problems ``{"prompt", "answer"}`` with operands up to ``max_operand`` (drawn by
-    ``random.Random(seed)``), each prompt carrying the tool's instructions.
+    """``num`` problems ``{"prompt", "answer", "demonstration"}`` with operands up to
+    ``max_operand`` (drawn by ``random.Random(seed)``), each prompt carrying the tool's
+    instructions; ``demonstration``: the ideal episode (call the tool, read it, answer) as JSON
+    messages, what a warm start (``warm_start.sft_steps``) trains on.
 
     >>> make_calculator_prompts(1, seed=0, max_operand=99)[0]["answer"]
     '5049'
@@ -145,6 +147,10 @@ def make_calculator_prompts(num: int, seed: int, *, max_operand: int = 9999, ops
     out = []
     for _ in range(num):
         a, b, op = rng.randint(2, max_operand), rng.randint(2, max_operand), rng.choice(list(ops))
-        value = evaluate_expression(f"{a}{op}{b}")
-        out.append({"prompt": f"{INSTRUCTIONS}\nWhat is {a}{op}{b}?", "answer": str(value)})
+        expr = f"{a}{op}{b}"
+        value = str(evaluate_expression(expr))
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+        demo = [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": value},
+                {"role": "assistant", "content": value}]
+        out.append({"prompt": f"{INSTRUCTIONS}\nWhat is {expr}?", "answer": value, "demonstration": json.dumps(demo)})
     return out

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "check_prompt_lengths",
     "completion_batch",
+    "masked_batch",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
@@ -97,14 +98,23 @@ def completion_batch(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: 
     """Right-padded ``(prompt tokens, completion tokens)`` rows: ``input_ids [B, S]``,
     ``input_lengths [B]`` and ``token_mask [B, S]`` (1 on the completion tokens); what the SFT
     warm start and DPO train on."""
-    width = max(len(p) + len(a) for p, a in rows)
+    return masked_batch([(p + a, [0.0] * len(p) + [1.0] * len(a)) for p, a in rows], pad_token_id)
+
+
+def masked_batch(rows: Sequence[tuple[list[int], list[float]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``(tokens, token mask)`` rows: ``input_ids [B, S]``, ``input_lengths [B]``,
+    ``token_mask [B, S]`` (e.g. a multi-turn demonstration: 1 on its assistant turns only)."""
+    width = max(len(t) for t, _ in rows)
     ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.int64)
     mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for k, (p, a) in enumerate(rows):
-        ids[k, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.int64)
-        mask[k, len(p): len(p) + len(a)] = 1.0
-    lengths = torch.tensor([len(p) + len(a) for p, a in rows], dtype=torch.int64)
+    for k, (t, m) in enumerate(rows):
+        if len(t) != len(m):
+            raise ValueError(f"row {k}: {len(t)} tokens but a token mask of {len(m)}")
+        ids[k, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    lengths = torch.tensor([len(t) for t, _ in rows], dtype=torch.int64)
     return {"input_ids": ids, "input_lengths": lengths, "token_mask": mask}
+
 
 # ----------------------------------------------------------------------------------------------
 # reading user files
@@ -186,7 +196,9 @@ def load_prompt_file(
     answer_key: str = "answer",
     storage_options: dict[str, Any] | None = None,
 ) -> list[dict[str, str]]:
-    """Read a prompt file into ``[{"prompt", "answer"}]``.
+    """Read a prompt file into ``[{"prompt", "answer", ...}]``: the row's other columns too (a
+    multi-turn environment's episode metadata starts as the row; text as it is, other values as
+    JSON text), under their own names where they are not ``prompt``/``answer``.
 
     ``answer_key`` may be absent from every row (answers ``""``, for reward functions that need
     none) but not from some rows only. Errors (``ValueError``) name the file, the row (and the
@@ -214,7 +226,9 @@ def load_prompt_file(
                 f"{with_answer} of {len(rows)} rows have"
             )
         answer = row.get(answer_key)
-        out.append({"prompt": prompt, "answer": "" if answer is None else str(answer)})
+        extra = {str(k): v if isinstance(v, str) else json.dumps(v, default=str) for k, v in row.items()
+                 if k not in (prompt_key, answer_key, "prompt", "answer") and v is not None}
+        out.append({**extra, "prompt": prompt, "answer": "" if answer is None else str(answer)})
     return out
 
 

@@ -43,7 +43,7 @@ from nrl_tasks.environments.interfaces import Message, MessageLog
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.data import derive_seed
 
-__all__ = ["MultiTurnRollout", "multi_turn_rollouts", "observation_suffix"]
+__all__ = ["MultiTurnRollout", "demonstration_tokens", "multi_turn_rollouts", "observation_suffix"]
 
 _MARK = "\u2063NRL-TURN\u2063"  # a text no model writes: where the assistant's content ends in a rendered template
 
@@ -65,6 +65,33 @@ def observation_suffix(tokenizer: Any, obs: Message, *, chat_template: bool, clo
     if closed_by and suffix.startswith(closed_by):
         suffix = suffix[len(closed_by):]
     return suffix
+
+
+def demonstration_tokens(
+    tokenizer: Any, prompt_ids: list[int], demonstration: str | MessageLog, *, chat_template: bool, eos_id: int,
+) -> tuple[list[int], list[float]]:
+    """A demonstrated episode's ``(ids, token_mask)`` after ``prompt_ids``, built the way
+    :class:`MultiTurnRollout` builds a sampled one (what an SFT warm start trains on): each
+    assistant message's content tokenised as if sampled (mask 1; the last, the final answer,
+    closed by ``eos_id``), every other message appended as its observation suffix (mask 0).
+    ``demonstration``: the messages after the prompt (a JSON text, as a data row holds it)."""
+    log = json.loads(demonstration) if isinstance(demonstration, str) else demonstration
+    if not (isinstance(log, list) and log and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in log)):
+        raise ValueError("a demonstration must be a non-empty list of {'role', 'content'} messages")
+    if log[-1]["role"] != "assistant":
+        raise ValueError(f"a demonstration must end with the assistant's answer, not a {log[-1]['role']!r} message")
+    ids, mask = list(prompt_ids), [0.0] * len(prompt_ids)
+    for k, msg in enumerate(log):
+        if msg["role"] == "assistant":
+            toks = tokenizer(str(msg["content"]), add_special_tokens=False)["input_ids"] + ([eos_id] if k == len(log) - 1 else [])
+            ids += toks
+            mask += [1.0] * len(toks)
+        else:  # an earlier turn ended at a stop string, not at the end-of-turn token
+            suffix = observation_suffix(tokenizer, msg, chat_template=chat_template, closed_by=None)
+            toks = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+            ids += toks
+            mask += [0.0] * len(toks)
+    return ids, mask
 
 
 class MultiTurnRollout:

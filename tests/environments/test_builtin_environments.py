@@ -51,3 +51,42 @@ def test_guessing_game_replies_and_rewards_fewer_turns():
     assert out.terminateds.tolist() == [True] and out.rewards.tolist() == [0.5]
     with pytest.raises(ValueError, match="decay"):
         GuessNumberEnvironment(decay=2)
+
+
+def test_a_calculator_demonstration_trains_the_assistant_turns_of_the_episode(tiny_model_dir):
+    """The warm start's batch of a calculator record: its demonstration (tool call, result,
+    answer) after the prompt, built like a sampled episode; only the assistant turns at mask 1."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from flows.algorithms.sft import build_sft_batch
+    from nrl_tasks.config.data import DataConfig
+    from nrl_tasks.environments.calculator import make_calculator_prompts
+    from tests.environments.test_multi_turn import mask_spans
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    recs = make_calculator_prompts(3, seed=1, max_operand=999)
+    data = build_sft_batch(recs, tok, DataConfig(dataset="calculator", chat_template=True), max_len=512)
+    for i, rec in enumerate(recs):
+        demo = json.loads(rec["demonstration"])
+        assert demo[1] == {"role": "tool", "content": rec["answer"]}  # the tool's true result
+        assert parse_tool_call(demo[0]["content"])["arguments"]["expression"] in rec["prompt"]
+        k = int(data["input_lengths"][i])
+        ids, m = data["input_ids"][i, :k], data["token_mask"][i, :k].bool()
+        spans = [tok.decode(s) for s in mask_spans(ids, m)]
+        assert spans == [demo[0]["content"], rec["answer"] + tok.eos_token]  # the answer closes the episode
+        assert f"<|im_start|>tool\n{rec['answer']}<|im_end|>\n<|im_start|>assistant\n" in tok.decode(ids[~m].tolist())
+
+
+def test_a_demonstration_that_is_not_an_episode_is_refused(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from nrl_tasks.stages.multi_turn import demonstration_tokens
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="end with the assistant's answer"):
+        demonstration_tokens(tok, [1], '[{"role": "assistant", "content": "x"}, {"role": "tool", "content": "1"}]',
+                             chat_template=True, eos_id=0)
+    with pytest.raises(ValueError, match="list of"):
+        demonstration_tokens(tok, [1], '{"role": "assistant"}', chat_template=True, eos_id=0)

@@ -53,6 +53,15 @@ def test_load_prompt_file_formats(tmp_path, fmt):
     ]
 
 
+def test_a_prompt_files_other_columns_stay_on_the_record(tmp_path):
+    """Every column of a row reaches the record (an environment's episode metadata starts as it):
+    text as it is, other values as JSON text."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"q": "Guess", "a": 7, "lo": 1, "tools": ["calculator"], "note": "n", "gone": None}) + "\n")
+    recs = load_prompt_file(str(path), prompt_key="q", answer_key="a")
+    assert recs == [{"prompt": "Guess", "answer": "7", "lo": "1", "tools": '["calculator"]', "note": "n"}]
+
+
 def test_bad_prompt_files(tmp_path):
     missing = tmp_path / "m.jsonl"
     missing.write_text(json.dumps({"question": "x"}) + "\n")
