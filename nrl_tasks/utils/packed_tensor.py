@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from nrl_tasks.settings import NrlSettings, nrl_settings
-from nrl_tasks.utils.collective import BUFFER_POOL, BroadcastPipeline, group_device
+from nrl_tasks.utils.broadcast_pipeline import BUFFER_POOL, BroadcastPipeline
+from nrl_tasks.utils.collective import group_device
 from nrl_tasks.utils.refit import FlatParamBuckets
 
 __all__ = [

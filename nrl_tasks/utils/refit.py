@@ -363,7 +363,7 @@ class FlatParamBuckets:
 
     def broadcast(self, group: Any, src: int, *, num_buffers: int | None = None) -> None:
         """Broadcast every bucket in place from group rank ``src`` (``num_buffers`` in flight)."""
-        from nrl_tasks.utils.collective import BroadcastPipeline
+        from nrl_tasks.utils.broadcast_pipeline import BroadcastPipeline
 
         count = int(num_buffers or 2)
         pipe = BroadcastPipeline(group, src, count, self.bucket_size_bytes, self.device)
