@@ -172,6 +172,12 @@ class Runtime:
 
         self.environment = EnvironmentWorkers(env.environment, env.environment_kwargs, env.num_workers, namespace=self.namespace)
 
+    def stop_environment(self) -> None:
+        """Kill the environment's actors (idempotent; the next flow process makes its own)."""
+        if self.environment is not None:
+            self.environment.shutdown()
+            self.environment = None
+
     def shutdown(self) -> None:
         """Kill the actors and remove the placement groups (idempotent)."""
         for name in ("environment", "generation", "policy", "reward_model"):

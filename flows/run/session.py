@@ -181,6 +181,9 @@ class RunSession:
             except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
                 log.warning("could not record the run's end in status.json: %s", status_exc)
             raise
+        finally:  # an environment's actors are this flow process's own, kept actors or not
+            if self.runtime is not None:
+                self.runtime.stop_environment()
 
 
 @contextlib.contextmanager

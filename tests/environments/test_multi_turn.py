@@ -25,18 +25,19 @@ ENV = "tests.environments.test_multi_turn:CountdownEnvironment"
 
 
 class CountdownEnvironment(EnvironmentInterface):
-    """Ends an episode after ``turns`` assistant turns (fewer when the answer's digit appears);
-    replies as the user with the turn count; reward 0.5 per turn, 1 more at the end."""
+    """Ends an episode after ``turns`` assistant turns (with ``early``, also after a turn whose
+    text has an even length: episodes of different lengths and rewards); replies as the user with
+    the turn count; reward 0.5 per turn, 1 more at the end."""
 
-    def __init__(self, turns: int = 3) -> None:
-        self.turns = int(turns)
+    def __init__(self, turns: int = 3, early: bool = False) -> None:
+        self.turns, self.early = int(turns), bool(early)
 
     def step(self, message_logs, metadata):
         obs, metas, rewards, done = [], [], [], []
         for log, meta in zip(message_logs, metadata):
             meta = dict(meta)
             meta["seen"] = int(meta.get("seen", 0)) + 1
-            end = meta["seen"] >= self.turns
+            end = meta["seen"] >= self.turns or (self.early and len(log[-1]["content"]) % 2 == 0)
             obs.append({"role": "user", "content": f"turn {meta['seen']} of {self.turns}: go on"})
             metas.append(meta)
             rewards.append(0.5 + (1.0 if end else 0.0))

@@ -109,3 +109,46 @@ def test_an_environment_that_raises_fails_the_run_naming_it_and_the_run_resumes_
     broken.unlink()  # the fix
     proc = run_nrl(["resume", "broken", "--storage", root], prefect_harness, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+COMBOS = {  # the multi-turn generate stage under the features that wrap it
+    "async-lora": {"grpo.async_grpo.enabled": True, "grpo.async_grpo.max_trajectory_age_steps": 1,
+                   "loss_fn.use_importance_sampling_correction": True},
+    "dynamic-sampling": {"grpo.use_dynamic_sampling": True, "grpo.dynamic_sampling_max_gen_batches": 8,
+                         "env.environment_kwargs": {"turns": 3, "early": True}},  # rewards that differ in a group
+}
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+def test_multi_turn_runs_under_async_grpo_lora_and_dynamic_sampling(combo, tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    import storage
+    import yaml
+    from transformers import AutoTokenizer
+
+    from flows.algorithms.grpo import grpo
+    from tests.flows.conftest import kill_run_actors, tiny_run_config
+
+    run_id = f"mt-{combo}"
+    cfg = tiny_run_config(tiny_model_dir, str(tmp_path), ray_session, **{
+        "env.environment": ENV, "env.environment_kwargs": {"turns": 3}, "grpo.max_rollout_turns": 3, "data.chat_template": True,
+        "policy.max_total_sequence_length": 160, "grpo.max_num_steps": 2, "checkpointing.enabled": False, **COMBOS[combo],
+    })
+    if combo.endswith("lora"):
+        with open("configs/grpo_tiny_lora.yaml", encoding="utf-8") as fh:
+            cfg["policy"]["dtensor_cfg"] = {"lora_cfg": yaml.safe_load(fh)["policy"]["dtensor_cfg"]["lora_cfg"]}
+    try:
+        out = grpo(config=cfg, run_id=run_id)
+    finally:
+        kill_run_actors(run_id)
+    assert out["final_metrics"]["step"] == 2
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for step in (1, 2):
+        r = storage.load_batch(os.path.join(str(tmp_path), run_id, "steps", f"step_{step:06d}", "rollouts"))
+        assert r["num_turns"].max() >= 2
+        if combo == "dynamic-sampling":
+            assert len(set(r["num_turns"].tolist())) > 1  # episodes ended early and late
+        for i in range(r.size):
+            k = int(r["input_lengths"][i])
+            ids, m = r["input_ids"][i, :k], r["token_mask"][i, :k].bool()
+            assistant = [msg["content"] for msg in json.loads(r["message_log"][i]) if msg["role"] == "assistant"]
+            assert [tok.decode(s, skip_special_tokens=True) for s in mask_spans(ids, m)] == assistant
