@@ -11,10 +11,15 @@ stepping a contiguous slice of the batch, and checks what they return
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from nrl_tasks.environments.interfaces import EnvironmentInterface, EnvironmentReturn, MessageLog, check_environment_return
+from nrl_tasks.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    MessageLog,
+    check_environment_return,
+)
+from nrl_tasks.utils.import_path import import_attribute
 
 __all__ = ["BUILTIN", "EnvironmentWorkers", "environment_class", "initial_stop_strings", "make_environment"]
 
@@ -34,15 +39,7 @@ def environment_class(spec: str) -> type:
         raise ValueError(
             f"env.environment must be a built-in ({', '.join(sorted(BUILTIN))}) or 'package.module:ClassName', got {spec!r}"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"env.environment {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ValueError(f"env.environment {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    obj = import_attribute(module_name, attr, f"env.environment {spec!r}")
     if not isinstance(obj, type) or not callable(getattr(obj, "step", None)):
         raise ValueError(
             f"env.environment {spec!r} is not an environment class: it needs a step(message_logs, metadata) method "

@@ -13,7 +13,6 @@ of ending the run.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -21,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from nrl_tasks.utils.import_path import import_attribute
 
 __all__ = ["DEFAULT_REWARD_FN", "RewardFn", "load_reward_fn", "safe_rewards"]
 
@@ -44,16 +45,7 @@ def load_reward_fn(path: str) -> RewardFn:
     module_name, attr_path = path.split(":")
     if not module_name or not attr_path:
         raise ValueError(f"reward_fn must look like 'package.module:function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward_fn {path!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"reward_fn {path!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    obj = import_attribute(module_name, attr_path, f"reward_fn {path!r}")
     if not callable(obj):
         raise TypeError(f"reward_fn {path!r} is a {type(obj).__name__}, not a callable")
     return obj
