@@ -35,6 +35,7 @@ __all__ = [
     "check_prompt_lengths",
     "completion_batch",
     "masked_batch",
+    "prompt_messages",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
@@ -271,20 +272,21 @@ def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_opt
 # formatting and tokenising
 
 
+def prompt_messages(prompt: str, data_cfg: DataConfig) -> list[dict[str, str]]:
+    """The conversation a prompt opens: ``data.system_prompt`` (if set), then the user's
+    ``data.prompt_template`` around ``prompt``."""
+    system = [{"role": "system", "content": data_cfg.system_prompt}] if data_cfg.system_prompt else []
+    return [*system, {"role": "user", "content": data_cfg.prompt_template.replace("{prompt}", prompt)}]
+
+
 def format_prompt(prompt: str, data_cfg: DataConfig, tokenizer: Any = None) -> str:
     """Apply ``data.prompt_template`` and, when ``data.chat_template``, the tokenizer's chat template."""
-    text = data_cfg.prompt_template.replace("{prompt}", prompt)
+    messages = prompt_messages(prompt, data_cfg)
     if data_cfg.chat_template:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("data.chat_template is true but the tokenizer has no chat template")
-        messages = []
-        if data_cfg.system_prompt:
-            messages.append({"role": "system", "content": data_cfg.system_prompt})
-        messages.append({"role": "user", "content": text})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    elif data_cfg.system_prompt:
-        text = f"{data_cfg.system_prompt}\n{text}"
-    return text
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)  # system prompt (if any), newline, prompt
 
 
 def tokenize_prompts(

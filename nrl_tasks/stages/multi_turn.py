@@ -41,7 +41,7 @@ import torch
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.environments.interfaces import Message, MessageLog
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.data import derive_seed
+from nrl_tasks.stages.data import derive_seed, prompt_messages
 
 __all__ = ["MultiTurnRollout", "demonstration_tokens", "multi_turn_rollouts", "observation_suffix"]
 
@@ -252,8 +252,7 @@ def multi_turn_rollouts(ctx: StepContext, prompt_batch: BatchedDataDict, weights
     pad = gen.pad_token_id if gen.pad_token_id is not None else (tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0])
     records = ctx.run.records("train")
     rows = [dict(records[int(i)]) for i in prompt_batch["record_index"].tolist()]
-    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    first = [[*system, {"role": "user", "content": cfg.data.prompt_template.replace("{prompt}", r["prompt"])}] for r in rows]
+    first = [prompt_messages(r["prompt"], cfg.data) for r in rows]
     stops = initial_stop_strings(cfg.env.environment) or gen.stop_strings
     rollout = MultiTurnRollout(
         ctx.generation, env, tok, max_turns=cfg.grpo.max_rollout_turns, max_total_tokens=cfg.policy.max_total_sequence_length,
