@@ -145,7 +145,8 @@ def report_to_trackers(cfg: MasterConfig, run_id: str, results: Sequence[tuple[i
         return
     from flows.observe.trackers import open_trackers
 
-    names = {"eval_accuracy": "accuracy", "eval_pass_at_k": "pass_at_k", "eval_sample_reward_mean": "sample_reward_mean"}
+    names = {"eval_accuracy": "accuracy", "eval_pass_at_k": "pass_at_k", "eval_sample_reward_mean": "sample_reward_mean",
+             "eval_turns_mean": "turns_mean"}
     trackers = open_trackers(cfg, run_id)
     try:
         for step, res in results:
@@ -185,6 +186,7 @@ def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -
                     "k": m.get("eval_k"),
                     "sample_reward_mean": m.get("eval_sample_reward_mean"),
                     "num_prompts": m.get("eval_num_prompts"),
+                    "turns_mean": m.get("eval_turns_mean"),
                     "seconds": m.get("seconds"),
                 }
             )

@@ -189,6 +189,8 @@ def build_step_metrics(
         total += checkpoint.get("seconds") or 0.0
     if val is not None:
         row["val_accuracy"] = val.get("val_accuracy")
+        if val.get("val_turns_mean") is not None:  # a multi-turn environment's episodes
+            row["val_turns_mean"] = val["val_turns_mean"]
         row["val_s"] = val.get("seconds")
     row["stages_s"] = total
     for name, stage in STAGE_ATTEMPTS.items():

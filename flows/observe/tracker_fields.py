@@ -12,6 +12,8 @@ __all__ = ["eval_fields", "redact_url", "scalar_fields"]
 
 #: metrics-line fields that are not curves
 _SKIP = {"step", "weights_version", "rebuilt"}
+#: metrics-line fields of the validation, logged under ``validation/`` (the rest under ``train/``)
+_VALIDATION = {"val_accuracy": "validation/accuracy", "val_turns_mean": "validation/turns_mean"}
 
 
 def scalar_fields(row: Mapping[str, Any]) -> dict[str, float]:
@@ -21,7 +23,7 @@ def scalar_fields(row: Mapping[str, Any]) -> dict[str, float]:
         if k in _SKIP or isinstance(v, str) or v is None:
             continue
         if isinstance(v, (bool, int, float)) and math.isfinite(float(v)):
-            out["validation/accuracy" if k == "val_accuracy" else f"train/{k}"] = float(v)
+            out[_VALIDATION.get(k, f"train/{k}")] = float(v)
     return out
 
 

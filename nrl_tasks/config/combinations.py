@@ -51,8 +51,6 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
         errs.append(f"grpo.batch_multiplier ({grpo.batch_multiplier}) is only used with grpo.use_dynamic_sampling=true")
     if grpo.max_rollout_turns > 1 and cfg.env.environment is None:
         errs.append(f"grpo.max_rollout_turns = {grpo.max_rollout_turns} needs env.environment (who answers the turns)")
-    if grpo.val_period and cfg.env.environment is not None:
-        errs.append("grpo.val_period > 0 with env.environment: validating multi-turn episodes is not built yet (set grpo.val_period=0)")
     rows = grpo.batch_multiplier * grpo.num_prompts_per_step * grpo.num_generations_per_prompt
     if grpo.use_dynamic_sampling and rows > MAX_ROWS:
         errs.append(

@@ -8,6 +8,12 @@ reward is > 0 (for a 0/1 reward exactly "solved by one of k samples") and ``samp
 Output columns (one row per response): ``mode`` ("greedy" | "sample"), ``record_index``,
 ``sample_index``, ``prompt``, ``answer``, ``response``, ``reward`` (float32), ``reward_valid``
 (bool), ``generation_length``.
+
+With a multi-turn environment (``env.environment``) each response is a whole episode, run by the
+training rollout's :class:`~nrl_tasks.stages.multi_turn.MultiTurnRollout` (greedy: every turn
+greedy) on the environment's actors: ``reward`` is its reward summed over turns,
+``generation_length`` counts the tokens the model wrote (every turn), and the rows also hold
+``num_turns`` and the conversation (``message_log``); the summary gains ``turns_mean``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
     from nrl_tasks.models.generation.interfaces import GenerationInterface
     from nrl_tasks.models.policy.interfaces import PolicyInterface
+    from nrl_tasks.stages.multi_turn import MultiTurnRollout
 
 __all__ = ["CheckpointVanishedError", "evaluate", "evaluate_records", "summarize_eval", "validate"]
 
@@ -66,14 +73,15 @@ def evaluate_records(
     weights_version: int | None = None,
     batch_size: int = 64,
     reward_model: PolicyInterface | None = None,
+    episodes: MultiTurnRollout | None = None,
 ) -> BatchedDataDict:
-    """Greedy (and ``num_samples`` sampled) responses of ``records`` with their rewards."""
-    if env_cfg.environment is not None:
-        raise ValueError(
-            f"evaluating a multi-turn environment (env.environment={env_cfg.environment!r}) is not built yet: "
-            "its episodes' rewards are the training metrics (reward_mean, turns_mean)"
-        )
+    """Greedy (and ``num_samples`` sampled) responses of ``records`` with their rewards;
+    ``episodes``: the multi-turn runner (:func:`~nrl_tasks.stages.multi_turn.episode_runner`),
+    needed when ``env_cfg.environment`` is set."""
+    if env_cfg.environment is not None and episodes is None:
+        raise ValueError(f"evaluating env.environment {env_cfg.environment!r} needs its episode runner (its actors)")
     from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
+    from nrl_tasks.stages.multi_turn import first_turns
     from nrl_tasks.stages.score import compute_rewards
 
     parts: list[BatchedDataDict] = []
@@ -84,9 +92,17 @@ def evaluate_records(
         pb["seeds"] = sample_seeds(seed, step, f"eval-{mode}", pb.size)
         for start in range(0, pb.size, batch_size):
             chunk = pb.slice(start, min(pb.size, start + batch_size))
-            out = generation.generate(generation_input(chunk), greedy=greedy, weights_version=weights_version)
-            roll = rollouts_from_generation(chunk, out, tokenizer)
-            rewards, valid, _ = compute_rewards(roll, env_cfg, reward_model)
+            extra: dict[str, Any] = {}
+            if episodes is not None:  # whole episodes: the environment's rewards, the model's tokens of every turn
+                roll = episodes.run(chunk, *first_turns(records, chunk, data_cfg), weights_version, greedy=greedy)
+                rewards, valid = roll["env_rewards"], torch.ones(roll.size, dtype=torch.bool)
+                length = roll["token_mask"].sum(dim=1).to(torch.int64)
+                extra = {"num_turns": roll["num_turns"], "message_log": list(roll["message_log"])}
+            else:
+                out = generation.generate(generation_input(chunk), greedy=greedy, weights_version=weights_version)
+                roll = rollouts_from_generation(chunk, out, tokenizer)
+                rewards, valid, _ = compute_rewards(roll, env_cfg, reward_model)
+                length = roll["generation_lengths"]
             n = roll.size
             parts.append(
                 BatchedDataDict(
@@ -99,7 +115,8 @@ def evaluate_records(
                         "response": list(roll["response"]),
                         "reward": rewards.to(torch.float32),
                         "reward_valid": valid.to(torch.bool),
-                        "generation_length": roll["generation_lengths"],
+                        "generation_length": length,
+                        **extra,
                     }
                 )
             )
@@ -109,7 +126,8 @@ def evaluate_records(
 
 
 def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
-    """``accuracy`` (greedy), ``pass_at_k``, ``sample_reward_mean``, ``num_prompts``, ``k``."""
+    """``accuracy`` (greedy), ``pass_at_k``, ``sample_reward_mean``, ``num_prompts``, ``k``; with
+    multi-turn episodes also ``turns_mean`` (over every episode)."""
     modes = list(samples["mode"])
     reward = samples["reward"].to(torch.float32)
     valid = samples["reward_valid"].to(torch.bool)
@@ -127,6 +145,8 @@ def summarize_eval(samples: BatchedDataDict) -> dict[str, float]:
         out["pass_at_k"] = sum(solved.values()) / len(solved)
         out["k"] = int(s.sum()) // max(len(solved), 1)
         out["sample_reward_mean"] = float((reward[s] * valid[s]).mean())
+    if "num_turns" in samples:
+        out["turns_mean"] = float(samples["num_turns"].to(torch.float64).mean())
     return out
 
 
@@ -140,13 +160,22 @@ def validate(ctx: StepContext, refit: ActionResult | None, weights_version: int)
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         records = ctx.run.records("val")[: cfg.grpo.max_val_samples]
         ctx.actor_call("validate", "generation", ctx.generation.workers)
+        episodes = None
+        if cfg.env.environment is not None:
+            from nrl_tasks.stages.multi_turn import episode_runner
+
+            episodes = episode_runner(cfg, ctx.tokenizer, ctx.generation, ctx.run.actors.environment)
         samples = evaluate_records(
             ctx.generation, ctx.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,
             max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.grpo.seed, step=ctx.step, num_samples=0,
             weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=ctx.run.reward_model,
+            episodes=episodes,
         )
         summary = summarize_eval(samples)
-        return samples, {"val_accuracy": summary.get("accuracy"), "val_num_prompts": summary.get("num_prompts")}
+        figures = {"val_accuracy": summary.get("accuracy"), "val_num_prompts": summary.get("num_prompts")}
+        if "turns_mean" in summary:
+            figures["val_turns_mean"] = summary["turns_mean"]
+        return samples, figures
 
     return run_stage(ctx, "validate", compute, output="val", weights_version=weights_version)
 
@@ -254,20 +283,29 @@ def _evaluate_claimed(
         [gen_cfg.num_workers], name=f"{run_id}-eval-{checkpoint}-{tag}", namespace=ns,
         num_cpus_per_bundle=gen_cfg.num_cpus_per_worker,
     )
-    gen = None
+    gen = env = None
     try:
         gen = HfGeneration(cluster, gen_cfg, name_prefix=f"eval-{checkpoint}-{tag}", namespace=ns)
         from transformers import AutoTokenizer
 
         tok_dir = os.path.join(local, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(tok_dir if os.path.isdir(tok_dir) else os.path.join(local, "weights"))
+        episodes = None
+        if cfg.env.environment is not None:  # the run's environment, on actors of this evaluation's own
+            from nrl_tasks.environments.loading import EnvironmentWorkers
+            from nrl_tasks.stages.multi_turn import episode_runner
+
+            env = EnvironmentWorkers(cfg.env.environment, cfg.env.environment_kwargs, cfg.env.num_workers, namespace=ns)
+            episodes = episode_runner(cfg, tokenizer, gen, env)
         step = parse_step_dir(checkpoint) or 0
         samples = evaluate_records(
             gen, tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env, max_prompt_tokens=cfg.max_prompt_tokens(),
             seed=cfg.grpo.seed, step=step, num_samples=num_samples, weights_version=None,
-            batch_size=cfg.grpo.val_batch_size,
+            batch_size=cfg.grpo.val_batch_size, episodes=episodes,
         )
     finally:
+        if env is not None:
+            env.shutdown()
         if gen is not None:
             gen.shutdown()
         cluster.shutdown()

@@ -43,7 +43,9 @@ from nrl_tasks.environments.interfaces import Message, MessageLog
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.data import derive_seed, prompt_messages
 
-__all__ = ["MultiTurnRollout", "demonstration_tokens", "multi_turn_rollouts", "observation_suffix"]
+__all__ = [
+    "MultiTurnRollout", "demonstration_tokens", "episode_runner", "first_turns", "multi_turn_rollouts", "observation_suffix",
+]
 
 _MARK = "\u2063NRL-TURN\u2063"  # a text no model writes: where the assistant's content ends in a rendered template
 
@@ -113,12 +115,14 @@ class MultiTurnRollout:
         self.generate_seconds = 0.0
 
     def run(
-        self, prompts: BatchedDataDict, first_messages: list[MessageLog], rows: list[dict[str, Any]], weights_version: int,
+        self, prompts: BatchedDataDict, first_messages: list[MessageLog], rows: list[dict[str, Any]],
+        weights_version: int | None, *, greedy: bool = False,
     ) -> BatchedDataDict:
         """The rollout batch of ``prompts`` (columns: :mod:`nrl_tasks.stages.generate`, plus
         ``num_turns``, ``env_rewards``, ``terminated``, ``message_log`` and ``env_metadata``).
         ``first_messages[i]``: the conversation the prompt ids render (system and user);
-        ``rows[i]``: the prompt's data row, the episode's first metadata."""
+        ``rows[i]``: the prompt's data row, the episode's first metadata; ``greedy``: every turn
+        greedy (validation and evaluation) instead of sampled with the row's seeds."""
         n = prompts.size
         lengths = prompts["input_lengths"].tolist()
         ids = [prompts["input_ids"][i, : lengths[i]].tolist() for i in range(n)]
@@ -136,7 +140,7 @@ class MultiTurnRollout:
             active = [i for i in range(n) if not ended[i]]
             if not active:
                 break
-            closed = self._sample(active, ids, mask, lps, logs, stops, seeds, turn, weights_version)
+            closed = self._sample(active, ids, mask, lps, logs, stops, seeds, turn, weights_version, greedy)
             t0 = time.perf_counter()
             out = self.environment.step([logs[i] for i in active], [meta[i] for i in active])
             self.env_seconds += time.perf_counter() - t0
@@ -165,7 +169,8 @@ class MultiTurnRollout:
 
     def _sample(
         self, active: list[int], ids: list[list[int]], mask: list[list[float]], lps: list[list[float]],
-        logs: list[MessageLog], stops: list[list[str] | None], seeds: list[int], turn: int, version: int,
+        logs: list[MessageLog], stops: list[list[str] | None], seeds: list[int], turn: int, version: int | None,
+        greedy: bool,
     ) -> list[str | None]:
         """One turn of the ``active`` episodes: sampled ids, mask and logprobs appended, the
         assistant message logged; per episode the decoded stop token that closed the turn (or None)."""
@@ -179,7 +184,7 @@ class MultiTurnRollout:
             "seeds": torch.tensor(turn_seeds, dtype=torch.int64), "stop_strings": [stops[i] for i in active],
         })
         t0 = time.perf_counter()
-        out = self.generation.generate(data, greedy=False, weights_version=version)
+        out = self.generation.generate(data, greedy=greedy, weights_version=version)
         self.generate_seconds += time.perf_counter() - t0
         closed: list[str | None] = []
         for j, i in enumerate(active):
@@ -236,29 +241,38 @@ def _continuation(messages: MessageLog) -> str:
     return "".join(m["content"] if m["role"] == "assistant" else f"\n[{m['role']}] {m['content']}\n" for m in messages)
 
 
-def multi_turn_rollouts(ctx: StepContext, prompt_batch: BatchedDataDict, weights_version: int) -> tuple[BatchedDataDict, dict[str, Any]]:
-    """The step's episodes on the run's environment actors (``env.environment``) and the
-    ``generate`` stage's figures: turns per episode, episodes ended by termination, environment seconds."""
+def episode_runner(cfg: Any, tokenizer: Any, generation: Any, environment: Any) -> MultiTurnRollout:
+    """The run's :class:`MultiTurnRollout` (``cfg``: the ``MasterConfig``): its turn and length
+    limits, the generation config's stop ids and pad id, the environment's first stop strings."""
     from nrl_tasks.environments.loading import initial_stop_strings
 
-    cfg, tok = ctx.cfg, ctx.tokenizer
-    gen = cfg.gen
-    env = ctx.run.actors.environment
-    if env is None:
-        raise RuntimeError("env.environment is set but no environment actors are running")
+    if environment is None:
+        raise RuntimeError(f"env.environment {cfg.env.environment!r} is set but no environment actors are running")
+    gen, tok = cfg.gen, tokenizer
     eos = tok.eos_token_id
     stop_ids = [] if gen.ignore_eos else ([eos] if isinstance(eos, int) else list(eos or []))
     stop_ids += list(gen.stop_token_ids or [])
     pad = gen.pad_token_id if gen.pad_token_id is not None else (tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0])
-    records = ctx.run.records("train")
-    rows = [dict(records[int(i)]) for i in prompt_batch["record_index"].tolist()]
-    first = [prompt_messages(r["prompt"], cfg.data) for r in rows]
-    stops = initial_stop_strings(cfg.env.environment) or gen.stop_strings
-    rollout = MultiTurnRollout(
-        ctx.generation, env, tok, max_turns=cfg.grpo.max_rollout_turns, max_total_tokens=cfg.policy.max_total_sequence_length,
-        max_new_tokens=gen.max_new_tokens, chat_template=cfg.data.chat_template, first_stop_strings=stops, pad_id=int(pad),
-        stop_ids=stop_ids,
+    return MultiTurnRollout(
+        generation, environment, tok, max_turns=cfg.grpo.max_rollout_turns, max_total_tokens=cfg.policy.max_total_sequence_length,
+        max_new_tokens=gen.max_new_tokens, chat_template=cfg.data.chat_template,
+        first_stop_strings=initial_stop_strings(cfg.env.environment) or gen.stop_strings, pad_id=int(pad), stop_ids=stop_ids,
     )
+
+
+def first_turns(records: list[dict[str, Any]], prompts: BatchedDataDict, data_cfg: Any) -> tuple[list[MessageLog], list[dict[str, Any]]]:
+    """Per row of ``prompts``: the conversation its prompt opens and its data row (the episode's
+    first metadata), from ``records`` by the row's ``record_index``."""
+    rows = [dict(records[int(i)]) for i in prompts["record_index"].tolist()]
+    return [prompt_messages(r["prompt"], data_cfg) for r in rows], rows  # type: ignore[misc]
+
+
+def multi_turn_rollouts(ctx: StepContext, prompt_batch: BatchedDataDict, weights_version: int) -> tuple[BatchedDataDict, dict[str, Any]]:
+    """The step's episodes on the run's environment actors (``env.environment``) and the
+    ``generate`` stage's figures: turns per episode, episodes ended by termination, environment seconds."""
+    cfg = ctx.cfg
+    rollout = episode_runner(cfg, ctx.tokenizer, ctx.generation, ctx.run.actors.environment)
+    first, rows = first_turns(ctx.run.records("train"), prompt_batch, cfg.data)
     out = rollout.run(prompt_batch, first, rows, weights_version)
     turns = out["num_turns"].to(torch.float64)
     return out, {

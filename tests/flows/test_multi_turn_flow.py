@@ -1,7 +1,9 @@
 """A user-written environment (tests/environments/test_multi_turn.py, not a built-in), configured
-only through ``env.environment``, trains through ``nrl grpo`` with ``grpo.max_rollout_turns=3``;
+only through ``env.environment``, trains through ``nrl grpo`` with ``grpo.max_rollout_turns=3``
+and is validated on whole greedy episodes; a checkpoint's evaluation runs whole episodes too;
 a SIGKILL during a multi-turn ``generate`` and ``nrl resume`` end bit-identical to the
-uninterrupted run."""
+uninterrupted run; the multi-turn stage runs under async GRPO + LoRA, dynamic sampling and the
+sharded (FSDP2, 2 ranks) policy."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ ENV = "tests.environments.test_multi_turn:CountdownEnvironment"
 ARGS = [
     f"env.environment={ENV}", "env.environment_kwargs={turns: 3}", "env.num_workers=2", "grpo.max_rollout_turns=3",
     "data.chat_template=true", "policy.max_total_sequence_length=160", "grpo.max_num_steps=2", "checkpointing.save_period=1",
+    "grpo.val_period=2", "grpo.max_val_samples=4",
 ]
 
 
@@ -83,6 +86,47 @@ def test_the_rollouts_artifact_shows_whole_episodes(multi_turn_run):
     assert "**assistant**: " in md and "**user**: turn 1 of 3: go on" in md  # the environment's observation, in order
 
 
+def _assert_whole_episodes(batch, tok) -> None:
+    """Every row's conversation ran turns of the environment and its response is the episode."""
+    for i in range(batch.size):
+        log = json.loads(batch["message_log"][i])
+        assistant = [m["content"] for m in log if m["role"] == "assistant"]
+        assert len(assistant) == int(batch["num_turns"][i]) >= 1
+        assert batch["response"][i].startswith(assistant[0])
+
+
+def test_validation_runs_whole_greedy_episodes(multi_turn_run, tiny_model_dir):
+    import storage
+    from transformers import AutoTokenizer
+
+    root, run_id = multi_turn_run["root"], multi_turn_run["run_id"]
+    val = storage.load_batch(os.path.join(root, run_id, "steps", "step_000002", "val"))
+    assert val.size == 4 and val["mode"] == ["greedy"] * 4
+    assert int(val["num_turns"].max()) >= 2
+    _assert_whole_episodes(val, AutoTokenizer.from_pretrained(tiny_model_dir))
+    turns = val["num_turns"].to(torch.float32)
+    assert torch.equal(val["reward"], 0.5 * turns + (turns == 3).float())  # the countdown's reward, summed over turns
+    with open(os.path.join(root, run_id, "metrics.jsonl")) as fh:
+        row = [json.loads(x) for x in fh][-1]
+    assert row["step"] == 2 and row["val_turns_mean"] == float(val["num_turns"].float().mean())
+    assert row["val_accuracy"] == float(val["reward"].mean())
+
+
+def test_a_checkpoint_evaluation_runs_whole_episodes_and_sampled_ones(multi_turn_run, prefect_harness, tiny_model_dir):
+    import storage
+    from transformers import AutoTokenizer
+
+    from flows.algorithms.evaluate import evaluate_checkpoint
+
+    root, run_id = multi_turn_run["root"], multi_turn_run["run_id"]
+    res = evaluate_checkpoint(run_id, "step_000002", storage=root, num_samples=2, max_prompts=3)
+    assert res["skipped"] is False and res["rows"] == 3 + 3 * 2
+    samples = storage.load_batch(res["uri"])
+    assert samples["mode"] == ["greedy"] * 3 + ["sample"] * 6
+    _assert_whole_episodes(samples, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert res["eval_turns_mean"] == float(samples["num_turns"].float().mean())
+
+
 @pytest.mark.slow  # a killed whole-flow run and its resume
 def test_killed_during_a_multi_turn_generate_then_resumed_is_bit_identical(multi_turn_run, tmp_path, tiny_model_dir, prefect_harness):
     root = str(tmp_path)
@@ -116,10 +160,11 @@ COMBOS = {  # the multi-turn generate stage under the features that wrap it
                    "loss_fn.use_importance_sampling_correction": True},
     "dynamic-sampling": {"grpo.use_dynamic_sampling": True, "grpo.dynamic_sampling_max_gen_batches": 8,
                          "env.environment_kwargs": {"turns": 3, "early": True}},  # rewards that differ in a group
+    "sharded": {"cluster.policy_workers": 2},  # FSDP2 over 2 policy ranks (policy.dtensor_cfg, the default)
 }
 
 
-@pytest.mark.parametrize("combo", sorted(COMBOS))
+@pytest.mark.parametrize("combo", [pytest.param(c, marks=pytest.mark.slow) if c == "sharded" else c for c in sorted(COMBOS)])
 def test_multi_turn_runs_under_async_grpo_lora_and_dynamic_sampling(combo, tmp_path, prefect_harness, ray_session, tiny_model_dir):
     import storage
     import yaml
