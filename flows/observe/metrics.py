@@ -31,6 +31,7 @@ import math
 from typing import Any, Mapping
 
 from nrl_tasks.stages.graph import STAGES
+from nrl_tasks.utils.jsonl import jsonl_lines
 
 __all__ = [
     "build_step_metrics",
@@ -68,9 +69,7 @@ def _parse(text: str, uri: str, log: Any = None) -> tuple[dict[int, dict[str, An
     """``({step: row}, [line numbers of damaged lines])``; each damaged line logged."""
     rows: dict[int, dict[str, Any]] = {}
     bad: list[int] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(text):
         try:
             row = json.loads(line)
             step = int(row["step"])

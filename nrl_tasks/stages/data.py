@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
+from nrl_tasks.utils.jsonl import jsonl_lines
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import DataConfig
     from nrl_tasks.config.master import MasterConfig
@@ -158,9 +160,7 @@ def _read_rows(path: str, storage_options: dict[str, Any] | None) -> tuple[list[
                 f"{raw[exc.start:exc.start + 1]!r}); re-encode the file as UTF-8"
             ) from None
         rows, where = [], []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
+        for n, line in jsonl_lines(text):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -86,6 +86,40 @@ def test_bad_prompt_files(tmp_path):
         load_prompt_file(str(bad_json), prompt_key="q")
 
 
+#: the line separators of ``str.splitlines`` that are not JSONL's ``"\\n"``: valid inside a JSON string
+SEPARATORS = "\u2028\u2029\x85\x0b\x0c\x1c\x1d\x1e"
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """Text holding U+2028 and the other ``str.splitlines`` separators, as ``json.dumps(...,
+    ensure_ascii=False)`` writes it, is read back whole by every JSONL reader (prompt files,
+    preference files, ``metrics.jsonl``); ``\\r\\n`` line ends and a last line without one are fine,
+    and line numbers in errors still count ``\\n`` lines."""
+    from flows.observe.metrics import read_metrics
+    from nrl_tasks.stages.preferences import load_preference_file
+
+    texts = [f"a{sep}b" for sep in SEPARATORS]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\r\n".join(json.dumps({"q": t, "a": i}, ensure_ascii=False) for i, t in enumerate(texts)),
+                       encoding="utf-8", newline="")
+    assert [r["prompt"] for r in load_prompt_file(str(prompts), prompt_key="q", answer_key="a")] == texts
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": t, "chosen": f" {t}", "rejected": " x"}, ensure_ascii=False) + "\n"
+                             for t in texts), encoding="utf-8")
+    assert [r["chosen"] for r in load_preference_file(str(pairs))] == [f" {t}" for t in texts]
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i + 1, "note": t}, ensure_ascii=False) + "\n" for i, t in enumerate(texts)),
+                       encoding="utf-8")
+    assert [r["note"] for r in read_metrics(str(metrics))] == texts
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"q": texts[0]}, ensure_ascii=False) + "\n\n" + '{"q": 1\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="line 3: invalid JSON"):
+        load_prompt_file(str(bad), prompt_key="q")
+
+
 def test_step_draw_is_deterministic_and_covers_each_epoch():
     n, p = 7, 3
     draws = [step_record_indices(num_records=n, step=s, num_prompts=p, seed=5) for s in range(1, 8)]
