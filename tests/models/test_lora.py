@@ -205,6 +205,38 @@ def test_checkpoint_is_a_peft_adapter_and_a_merged_hf_folder(tiny_model_dir, tmp
     torch.testing.assert_close(_logits(plain, ids), want, rtol=1e-5, atol=1e-5)
 
 
+_SAVE_ADAPTER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from tests.models.test_lora import _cfg
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+with in_process_worker(_cfg(sys.argv[2], exclude_modules=["down_proj"])) as worker:
+    worker.save_checkpoint(sys.argv[3], None, None, [worker.get_rng_state()])
+"""
+
+
+def test_adapter_config_is_the_same_bytes_whatever_the_hash_seed(tiny_model_dir, tmp_path):
+    """peft holds ``target_modules`` / ``exclude_modules`` as sets: the checkpoint's
+    ``adapter_config.json`` lists them sorted, so a resumed run (another process, another string
+    hash seed) writes the same bytes as the uninterrupted one."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    configs = []
+    for seed in ("1", "2"):
+        weights = str(tmp_path / f"weights-{seed}")
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", _SAVE_ADAPTER, repo, tiny_model_dir, weights], env=env, check=True)
+        with open(os.path.join(weights, "adapter_config.json"), "rb") as fh:
+            configs.append(fh.read())
+    assert configs[0] == configs[1]
+    data = json.loads(configs[0])
+    assert data["target_modules"] == sorted(data["target_modules"]) and len(data["target_modules"]) > 2, data
+    assert "down_proj" not in data["target_modules"] and data["exclude_modules"] == ["down_proj"], data
+
+
 def test_resume_from_an_adapter_checkpoint_is_bit_identical(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, dropout=0.1)  # dropout: the restored RNG matters too
     b1, b2 = make_batch(GBS, WIDTH, seed=8), make_batch(GBS, WIDTH, seed=9)

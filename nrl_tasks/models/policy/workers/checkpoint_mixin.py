@@ -119,6 +119,10 @@ class CheckpointMixin:
                     self.model.save_pretrained(tmp)
                 else:
                     self.model.save_pretrained(tmp, state_dict=model_sd)
+                if self.cfg.lora is not None:
+                    from nrl_tasks.models.policy.workers.lora import sort_adapter_config
+
+                    sort_adapter_config(self.model, tmp)
                 if tokenizer_path and os.path.abspath(tokenizer_path) == os.path.abspath(weights_path):
                     self.tokenizer.save_pretrained(tmp)
 

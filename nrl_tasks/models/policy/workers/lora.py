@@ -17,6 +17,7 @@ The algorithm, when ``lora_cfg.enabled``:
 4. checkpoints: ``weights/`` holds the adapter in peft's format (``adapter_config.json`` +
    ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base, path)``);
    with ``save_merged`` a sibling ``<weights>_merged/`` holds the merged HF safetensors.
+   ``adapter_config.json`` is the same bytes in every process (:func:`sort_adapter_config`).
    A restore copies the adapter tensors into the live peft model (bit-exact).
 
 5. adapters-only refit: the generation workers receive only the adapter tensors; what both
@@ -25,6 +26,7 @@ The algorithm, when ``lora_cfg.enabled``:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +54,7 @@ __all__ = [
     "merged_state",
     "merged_weights_path",
     "save_merged",
+    "sort_adapter_config",
     "wrap_with_lora",
 ]
 
@@ -148,6 +151,27 @@ def save_merged(model: Any, path: str, state: dict[str, torch.Tensor] | None = N
     """Write the merged weights (``state``, else :func:`merged_state`) as an HF folder at ``path``
     that ``AutoModelForCausalLM.from_pretrained(path)`` loads without peft."""
     model.get_base_model().save_pretrained(path, state_dict=merged_state(model) if state is None else state)
+
+
+def sort_adapter_config(model: Any, path: str) -> None:
+    """Rewrite the ``adapter_config.json`` that ``model.save_pretrained(path)`` wrote (peft) with
+    each field peft holds as a set (``target_modules``, ``exclude_modules``, ...) sorted.
+
+    Why: peft writes ``list(set)``, whose order follows the process's string hash seed, so the
+    adapter config of a resumed run differed byte-wise from the uninterrupted run's. Fields that
+    are lists in peft's config keep their order; the file keeps peft's layout (``indent=2``,
+    sorted keys)."""
+    for name, config in model.peft_config.items():
+        sets = [key for key, value in config.to_dict().items() if isinstance(value, set)]
+        if not sets:
+            continue
+        file = os.path.join(path if name == "default" else os.path.join(path, name), "adapter_config.json")
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+        for key in sets:
+            data[key] = sorted(data[key])
+        with open(file, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(data, indent=2, sort_keys=True))
 
 
 @torch.no_grad()
