@@ -60,6 +60,11 @@ class NrlSettings(BaseSettings):
         "", validation_alias="NRL_PLUGINS",
         description="comma-separated module[:factory] stage-observer plug-ins (flows.run.plugins)",
     )
+    plugin_import_timeout_s: float = Field(
+        60.0, gt=0, le=3600, validation_alias="NRL_PLUGIN_IMPORT_TIMEOUT_S",
+        description="how long (s) preflight lets a user's plug-in module (env.reward_fn, env.environment) "
+        "import in a child process before it counts as hanging",
+    )
     lease_ttl_s: float = Field(
         60.0, gt=0, le=3600, validation_alias="NRL_LEASE_TTL_S",
         description="a run-lease holder silent this long (s) is dead",

@@ -5,7 +5,10 @@ would make the same ``--run-id`` refused).
 
 :func:`preflight` raises ``ValueError`` naming the key, file or plug-in:
 
-- ``env.reward_fn``: the module imports and the attribute is callable;
+- ``env.reward_fn``, ``env.environment``: the module imports and the attribute is callable (an
+  environment: is built); a user's module is imported first in a child process under
+  ``NRL_PLUGIN_IMPORT_TIMEOUT_S``, so one that exits, hangs or raises anything at import is a
+  ``ValueError`` naming the key and the module (:mod:`nrl_tasks.utils.import_path`);
 - the stage plug-ins of ``NRL_PLUGINS`` load;
 - the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist and
   parse, with the configured keys;
@@ -33,7 +36,7 @@ def check_reward_fn(cfg: MasterConfig) -> None:
 
     if cfg.env.reward_fn is not None:
         try:
-            load_reward_fn(cfg.env.reward_fn)
+            load_reward_fn(cfg.env.reward_fn, isolate=True)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"env.reward_fn: {exc}") from None
 
@@ -45,7 +48,7 @@ def check_environment(cfg: MasterConfig) -> None:
     from nrl_tasks.environments.loading import make_environment
 
     if cfg.env.environment is not None:
-        make_environment(cfg.env.environment, cfg.env.environment_kwargs)
+        make_environment(cfg.env.environment, cfg.env.environment_kwargs, isolate=True)
 
 
 def check_plugins(cfg: MasterConfig) -> None:

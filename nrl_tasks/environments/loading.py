@@ -30,16 +30,18 @@ BUILTIN: dict[str, str] = {
 }
 
 
-def environment_class(spec: str) -> type:
+def environment_class(spec: str, *, isolate: bool = False) -> type:
     """The class ``spec`` names (a built-in name or ``"package.module:ClassName"``); ``ValueError``
-    naming ``env.environment`` when it cannot be imported or has no ``step`` method."""
+    naming ``env.environment`` when it cannot be imported or has no ``step`` method. ``isolate``
+    (preflight): a user's module is imported in a child process first, under a time limit
+    (:func:`nrl_tasks.utils.import_path.import_attribute`)."""
     path = BUILTIN.get(spec, spec)
     module_name, _, attr = path.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ValueError(
             f"env.environment must be a built-in ({', '.join(sorted(BUILTIN))}) or 'package.module:ClassName', got {spec!r}"
         )
-    obj = import_attribute(module_name, attr, f"env.environment {spec!r}")
+    obj = import_attribute(module_name, attr, f"env.environment {spec!r}", isolate=isolate)
     if not isinstance(obj, type) or not callable(getattr(obj, "step", None)):
         raise ValueError(
             f"env.environment {spec!r} is not an environment class: it needs a step(message_logs, metadata) method "
@@ -48,9 +50,10 @@ def environment_class(spec: str) -> type:
     return obj
 
 
-def make_environment(spec: str, kwargs: dict[str, Any] | None = None) -> EnvironmentInterface:
-    """An instance of the environment ``spec`` built with ``kwargs`` (``env.environment_kwargs``)."""
-    cls = environment_class(spec)
+def make_environment(spec: str, kwargs: dict[str, Any] | None = None, *, isolate: bool = False) -> EnvironmentInterface:
+    """An instance of the environment ``spec`` built with ``kwargs`` (``env.environment_kwargs``);
+    ``isolate``: as for :func:`environment_class`."""
+    cls = environment_class(spec, isolate=isolate)
     try:
         return cls(**(kwargs or {}))
     except (TypeError, ValueError) as exc:

@@ -31,11 +31,13 @@ DEFAULT_REWARD_FN = "nrl_tasks.environments.arithmetic:exact_match_reward"
 """The built-in arithmetic task's exact-match reward."""
 
 
-def load_reward_fn(path: str) -> RewardFn:
+def load_reward_fn(path: str, *, isolate: bool = False) -> RewardFn:
     """Import ``"package.module:function"`` (the attribute may be dotted: ``module:Class.method``).
 
     Raises ``ValueError`` for a malformed path, a module that cannot be imported or a missing
-    attribute, and ``TypeError`` when the attribute is not callable.
+    attribute, and ``TypeError`` when the attribute is not callable. ``isolate`` (preflight): a
+    user's module is imported in a child process first, under a time limit
+    (:func:`nrl_tasks.utils.import_path.import_attribute`).
 
     >>> load_reward_fn(DEFAULT_REWARD_FN).__name__
     'exact_match_reward'
@@ -45,7 +47,7 @@ def load_reward_fn(path: str) -> RewardFn:
     module_name, attr_path = path.split(":")
     if not module_name or not attr_path:
         raise ValueError(f"reward_fn must look like 'package.module:function', got {path!r}")
-    obj = import_attribute(module_name, attr_path, f"reward_fn {path!r}")
+    obj = import_attribute(module_name, attr_path, f"reward_fn {path!r}", isolate=isolate)
     if not callable(obj):
         raise TypeError(f"reward_fn {path!r} is a {type(obj).__name__}, not a callable")
     return obj
