@@ -173,16 +173,13 @@ def resume(
             preflight(cfg)
     except ValueError as exc:
         return _error(str(exc))
-    from flows.run.lease import live_holder
+    from flows.run.lease import resume_refusal
     from flows.run.process import describe_status
     from flows.run.state import read_status
 
-    holder = live_holder(layout, opts)
-    if holder is not None and not take_over:  # one writer per run: refused before anything starts
-        return _error(
-            f"run {run_id} has a live writer ({holder.describe()}); wait for it to end, or, if that process is dead "
-            f"on another machine, take over with `nrl resume {run_id} --take-over`"
-        )
+    refused = None if take_over else resume_refusal(layout, opts)  # one writer per run: before anything starts
+    if refused is not None:
+        return _error(refused)
     state = describe_status(read_status(layout, opts) or {})
     print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
     print(f"nrl: plan: {start.describe()}", flush=True)
@@ -273,6 +270,9 @@ def runs(*, storage: str = "./runs") -> int:
         upd = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_unix"])) if r.get("updated_unix") else "-"
         steps = f"{r['last_step']}/{r['max_steps'] or '?'}"
         print(f"{r['run_id']:40} {steps:>9}  {upd:19}  {r['state']}")
+    for r in found:
+        if r.get("lease_error"):
+            print(f"nrl: {r['lease_error']}")
     return 0
 
 

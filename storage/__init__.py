@@ -37,7 +37,15 @@ from storage.fs import (
     write_bytes_atomic,
     write_text_atomic,
 )
-from storage.lease import LeaseHeldError, LeaseHolder, LeaseLostError, RunLease, lease_is_live, read_lease
+from storage.lease import (
+    LeaseHeldError,
+    LeaseHolder,
+    LeaseLostError,
+    LeaseUnreadableError,
+    RunLease,
+    lease_is_live,
+    read_lease,
+)
 from storage.manifest import MANIFEST_NAME, ColumnSpec, Manifest, ShardInfo
 from storage.retry import RetryPolicy, StorageUnavailableError, get_retry_policy, retry_policy, set_retry_policy
 from storage.store import (
@@ -58,6 +66,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseHolder",
     "LeaseLostError",
+    "LeaseUnreadableError",
     "Manifest",
     "MissingShardError",
     "NotCommittedError",

@@ -13,6 +13,12 @@ daemon thread. Before each heartbeat it looks for a higher-numbered file: if the
 has been *fenced* (taken over), sets ``lost``, calls ``on_lost`` and stops; callers check
 :meth:`RunLease.ensure_held` before they commit work.
 
+A lease file that cannot be read (empty or garbled: a heartbeat cut by a power loss on a
+filesystem that lost the unsynced data) raises :class:`LeaseUnreadableError` naming it: whether
+its writer lives cannot be told, so only ``acquire(take_over=True)`` passes it (the operator's
+decision, as for a live-looking holder). Heartbeats are written like every other file here:
+temp file, fsync, rename, directory fsync.
+
 A holder is dead when it released the lease, when its heartbeat is older than its ``ttl_s``
 (by the reader's clock: keep clocks of hosts within a fraction of ``ttl_s``), or, seen from the
 same host and PID namespace, when its process is gone (``psutil``; the process create time is
@@ -29,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
 import psutil
@@ -40,6 +46,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseHolder",
     "LeaseLostError",
+    "LeaseUnreadableError",
     "RunLease",
     "lease_is_live",
     "read_lease",
@@ -80,6 +87,44 @@ def _create_time(pid: int) -> Optional[float]:
         return None
 
 
+class LeaseUnreadableError(ValueError):
+    """A lease file that is not a readable lease record (empty, garbled, another format);
+    ``path`` names it, ``reason`` says what is wrong. Whose lease it was, and whether that
+    writer lives, cannot be told: :meth:`RunLease.acquire` passes it only with ``take_over=True``."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"lease file {path} is unreadable: {reason}")
+
+
+#: the JSON types of a lease record's fields (bool is refused where a number is wanted)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "generation": (int,), "host": (str,), "pid": (int,), "pid_create_time": (int, float), "pid_namespace": (str,),
+    "flow_run_id": (str, type(None)), "acquired_at": (int, float), "heartbeat_at": (int, float),
+    "ttl_s": (int, float), "token": (str,), "released": (bool,),
+}
+
+
+def _check_record(data: Any) -> dict[str, Any]:
+    """The known fields of a decoded lease record; ``ValueError`` saying what is wrong with it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file")
+    out = {}
+    for key, types in _FIELD_TYPES.items():  # newer writers may add fields: those are left out
+        if key not in data:
+            if key == "released":
+                continue
+            raise ValueError(f"field {key!r} is missing")
+        value = data[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"field {key!r} is {value!r:.40}, expected {' or '.join(t.__name__ for t in types)}")
+        out[key] = value
+    return out
+
+
 @dataclass(frozen=True)
 class LeaseHolder:
     """What one lease file says about its writer."""
@@ -112,15 +157,14 @@ class LeaseHolder:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> "LeaseHolder":
+        """The record of lease file ``where`` (its bytes ``raw``); :class:`LeaseUnreadableError`
+        when they are empty, not JSON or not a lease record."""
+        if not raw.strip():
+            raise LeaseUnreadableError(where, "the file is empty")
         try:
-            data = json.loads(raw)
-            if data.pop("format", None) != FORMAT:
-                raise ValueError(f"not a {FORMAT} file")
-            known = {f.name for f in fields(cls)}
-            holder = cls(**{k: v for k, v in data.items() if k in known})  # newer writers may add fields
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"lease file {where} is unreadable: {exc}") from None
-        return holder
+            return cls(**_check_record(json.loads(raw)))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError too
+            raise LeaseUnreadableError(where, str(exc)) from None
 
 
 class LeaseHeldError(RuntimeError):
@@ -157,19 +201,28 @@ def _read(prefix_uri: str, generation: int, storage_options: Optional[Mapping[st
         return None  # pruned meanwhile
     holder = LeaseHolder.from_json(raw, target)
     if holder.generation != generation:
-        raise ValueError(f"lease file {target} says generation {holder.generation}")
+        raise LeaseUnreadableError(target, f"it says generation {holder.generation}")
     return holder
+
+
+def _current(
+    prefix_uri: str, generations: list[int], storage_options: Optional[Mapping[str, Any]]
+) -> Optional[LeaseHolder]:
+    """The record of the highest-numbered of ``generations`` still there (``None``: none is);
+    :class:`LeaseUnreadableError` when that file cannot be read."""
+    for generation in reversed(generations):
+        holder = _read(prefix_uri, generation, storage_options)
+        if holder is not None:
+            return holder
+    return None
 
 
 def read_lease(
     prefix_uri: str, storage_options: Optional[Mapping[str, Any]] = None
 ) -> Optional[LeaseHolder]:
-    """The current holder record (the highest-numbered lease file), or ``None`` if none yet."""
-    for generation in reversed(_generations(prefix_uri, storage_options)):
-        holder = _read(prefix_uri, generation, storage_options)
-        if holder is not None:
-            return holder
-    return None
+    """The current holder record (the highest-numbered lease file), or ``None`` if none yet;
+    :class:`LeaseUnreadableError` naming that file when it cannot be read."""
+    return _current(prefix_uri, _generations(prefix_uri, storage_options), storage_options)
 
 
 def lease_is_live(holder: Optional[LeaseHolder], now: Optional[float] = None) -> bool:
@@ -241,7 +294,10 @@ class RunLease:
         if not self.lost and self._fenced():
             self._mark_lost()
         if self.lost:
-            current = read_lease(self.prefix_uri, self.storage_options)
+            try:
+                current = read_lease(self.prefix_uri, self.storage_options)
+            except LeaseUnreadableError:
+                current = None
             by = f" by {current.describe()}" if current else ""
             raise LeaseLostError(
                 f"the run lease at {self.prefix_uri} (generation {self._holder.generation}) was taken over{by}"
@@ -256,17 +312,21 @@ class RunLease:
 
         A dead holder (released, stale heartbeat, or a gone local process) is taken over
         automatically. ``take_over=True`` takes the lease even from a live-looking holder: an
-        operator's decision (e.g. its host is known dead); the old holder is fenced.
+        operator's decision (e.g. its host is known dead); the old holder is fenced. The same
+        decision passes an unreadable current lease file (:class:`LeaseUnreadableError`
+        without it).
         """
         if self._holder is not None and not self.lost:
             return self._holder
         for _attempt in range(20):
             generations = _generations(self.prefix_uri, self.storage_options)
-            current = None
-            for generation in reversed(generations):
-                current = _read(self.prefix_uri, generation, self.storage_options)
-                if current is not None:
-                    break
+            try:
+                current = _current(self.prefix_uri, generations, self.storage_options)
+            except LeaseUnreadableError as exc:
+                if not take_over:
+                    raise
+                log.warning("run lease %s: taking over from an unreadable lease file (%s)", self.prefix_uri, exc)
+                current = None
             top = max(generations, default=0)
             if current is not None and current.generation == top and lease_is_live(current) and not take_over:
                 raise LeaseHeldError(self.prefix_uri, current)
@@ -333,9 +393,8 @@ class RunLease:
                 self._mark_lost()
                 return False
             self._holder = replace(self._holder, heartbeat_at=time.time())
-            sfs.write_bytes_atomic(
-                self._path(self._holder.generation), self._holder.to_json(), self.storage_options, fsync=False
-            )
+            # durable (fsync): a heartbeat a power loss cuts leaves the old record, never an empty file
+            sfs.write_bytes_atomic(self._path(self._holder.generation), self._holder.to_json(), self.storage_options)
             return True
 
     def _beat(self) -> None:

@@ -16,6 +16,9 @@ and S3 alike.
 - Heartbeats from a daemon thread; a holder whose lease was taken over is *fenced*: the flow
   stops before its next step (``storage.lease.LeaseLostError``). Under the lease, the storage commit is
   create-only as well, so even a fenced writer cannot overwrite a committed dataset.
+- An unreadable lease file (empty or garbled: a power loss) is named, never taken for a dead
+  holder: ``nrl resume`` refuses with the file and the way on (``--take-over``, which takes the
+  lease past it); ``nrl runs`` shows the run ``lease unreadable`` and lists the others.
 - ``NRL_LEASE_TTL_S`` / ``NRL_LEASE_HEARTBEAT_S`` (:class:`nrl_tasks.settings.NrlSettings`) tune
   the timing.
 """
@@ -37,6 +40,7 @@ __all__ = [
     "lease_refusal",
     "lease_uri",
     "live_holder",
+    "resume_refusal",
 ]
 
 
@@ -87,16 +91,42 @@ def check_fence(lease: Any) -> None:
 
 
 def live_holder(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> Any:
-    """The live holder of the run's lease (a ``LeaseHolder``), or ``None``."""
+    """The live holder of the run's lease (a ``LeaseHolder``), or ``None``;
+    ``storage.lease.LeaseUnreadableError`` naming the current lease file when it cannot be read."""
     from storage.lease import lease_is_live, read_lease
 
     holder = read_lease(lease_uri(layout), storage_options=storage_options)
     return holder if holder is not None and lease_is_live(holder) else None
 
 
+def _unreadable_advice(run_id: str) -> str:
+    return (
+        "whether another process writes the run cannot be told from it; if none does, take over with "
+        f"`nrl resume {run_id} --take-over`"
+    )
+
+
+def resume_refusal(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Why ``nrl resume`` (without ``--take-over``) must not start the run, in one line: another
+    live writer, or an unreadable lease file (named); ``None`` when the lease is free."""
+    from storage.lease import LeaseUnreadableError
+
+    run_id = layout.run_id
+    try:
+        holder = live_holder(layout, storage_options)
+    except LeaseUnreadableError as exc:
+        return f"run {run_id}: lease file {exc.path} is unreadable ({exc.reason}); {_unreadable_advice(run_id)}"
+    if holder is None:
+        return None
+    return (
+        f"run {run_id} has a live writer ({holder.describe()}); wait for it to end, or, if that process is dead "
+        f"on another machine, take over with `nrl resume {run_id} --take-over`"
+    )
+
+
 def lease_refusal(exc: BaseException) -> str | None:
     """How to proceed when ``exc`` is (or wraps) a refused lease; ``None`` for any other error."""
-    from storage.lease import LeaseHeldError
+    from storage.lease import LeaseHeldError, LeaseUnreadableError
 
     for e in exception_chain(exc):
         if isinstance(e, LeaseHeldError):
@@ -105,4 +135,6 @@ def lease_refusal(exc: BaseException) -> str | None:
                 f"if that process is dead on another machine, its lease expires {LeaseSettings().ttl_s:.0f} s after "
                 "its last heartbeat, or take over now with `nrl resume RUN_ID --take-over`"
             )
+        if isinstance(e, LeaseUnreadableError):
+            return f"the run's lease file is unreadable, nothing was written; {_unreadable_advice('RUN_ID')}"
     return None

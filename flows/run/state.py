@@ -135,10 +135,13 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
     ``status`` is the stored one; ``state`` the same checked against the flow process
     (:func:`flows.run.process.describe_status`, e.g. ``crashed (flow process 123 on h is gone)``),
     and ``running`` whenever the run's lease is live (:func:`flows.run.lease.live_holder`), whatever
-    ``status.json`` says; ``writer`` then names the holder.
+    ``status.json`` says; ``writer`` then names the holder. A run whose lease file cannot be read
+    (:class:`storage.lease.LeaseUnreadableError`) is ``lease unreadable (<stored state>)``, with
+    ``lease_error`` naming the file and the way on; the other runs are listed as usual.
     """
-    from flows.run.lease import live_holder
+    from flows.run.lease import live_holder, resume_refusal
     from flows.run.process import describe_status
+    from storage.lease import LeaseUnreadableError
 
     fs = _fs()
     if not fs.exists(root, storage_options=storage_options):
@@ -156,13 +159,18 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
         last = trained_prefix(layout, storage_options=storage_options)
         if status.get("algorithm") == "sft":  # an SFT warm start persists no step datasets
             last = int(status.get("last_step") or 0)
-        holder = live_holder(layout, storage_options)
+        holder, lease_error, state = None, None, describe_status(status)
+        try:
+            holder = live_holder(layout, storage_options)
+        except LeaseUnreadableError:
+            lease_error, state = resume_refusal(layout, storage_options), f"lease unreadable ({state})"
         out.append(
             {
                 "run_id": name,
                 "status": status.get("status", "unknown"),
-                "state": "running" if holder is not None else describe_status(status),
+                "state": "running" if holder is not None else state,
                 "writer": holder.describe() if holder is not None else None,
+                "lease_error": lease_error,
                 "last_step": last,
                 "max_steps": status.get("max_steps"),
                 "updated_unix": status.get("updated_unix"),

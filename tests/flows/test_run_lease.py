@@ -114,3 +114,40 @@ def test_a_holder_whose_lease_was_taken_over_is_fenced(run_copy):
             second.release()
     finally:
         first.release()
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x00\xff{not json"], ids=["empty", "garbage"])
+def test_a_damaged_lease_file_is_named_and_taken_over(run_copy, prefect_harness, capsys, damage):
+    """A lease file left empty or garbled (a heartbeat cut by a power loss): ``nrl runs`` lists
+    every run and shows this one ``lease unreadable``; ``nrl resume`` refuses in one line naming
+    the file and ``--take-over``; ``nrl resume --take-over`` takes the lease and resumes."""
+    from flows.cli import main
+    from flows.run.lease import lease_uri
+    from flows.run.state import list_runs
+    from storage.lease import read_lease
+
+    layout = run_copy
+    shutil.copytree(layout.run_uri, os.path.join(layout.root, "intact-run"))
+    lease_dir = lease_uri(layout)
+    damaged = os.path.join(lease_dir, sorted(os.listdir(lease_dir))[-1])  # the holder's own file, rewritten
+    generation = read_lease(lease_dir).generation
+    with open(damaged, "wb") as fh:
+        fh.write(damage)
+
+    states = {r["run_id"]: r["state"] for r in list_runs(layout.root)}
+    assert states["intact-run"] == "completed" and "lease unreadable" in states[E2E_RUN_ID], states
+    assert main(["runs", "--storage", layout.root]) == 0
+    out = capsys.readouterr().out
+    assert "intact-run" in out and "lease unreadable" in out, out
+
+    assert main(["resume", E2E_RUN_ID, "--storage", layout.root]) == 2
+    err = capsys.readouterr().err
+    assert err.count("nrl: error:") == 1 and "Traceback" not in err, err
+    assert damaged in err and f"nrl resume {E2E_RUN_ID} --take-over" in err, err
+
+    rc = main(["resume", E2E_RUN_ID, "--storage", layout.root, "--take-over"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    holder = read_lease(lease_dir)
+    assert holder.generation == generation + 1 and holder.released and holder.pid == os.getpid()
+    assert {r["run_id"]: r["state"] for r in list_runs(layout.root)}[E2E_RUN_ID] == "completed"
