@@ -114,9 +114,7 @@ def _start(kind: str, config: str, overrides: list[str], storage: str | None, ru
 
     try:
         run_id = validate_run_id(run_id) if run_id is not None else new_run_id(kind)
-        cfg = resolve_config(config, overrides, storage)
-        if kind == "dpo" and cfg.dpo is None:
-            raise ConfigError(f"{config}: no `dpo` section (a GRPO config: use `nrl grpo`)")
+        cfg = resolve_config(config, overrides, storage, algorithm=kind)  # a config or override of the other kind: refused
         layout = RunLayout(cfg.storage.root, run_id)
         if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
             raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")

@@ -143,7 +143,7 @@ def dpo(
     from nrl_tasks.stages.preferences import snapshot_preferences
 
     log = get_run_logger()
-    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None)
+    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None, algorithm="dpo")
     if cfg.dpo is None:
         raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
     run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")

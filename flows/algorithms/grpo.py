@@ -61,7 +61,7 @@ def resume_config(config: Any, overrides: list[str] | None, storage: str | None,
     A ``config`` passed as well (a deployment always sends its default) is ignored with a warning
     when it resolves to the same result-affecting settings; one that would change them is refused
     (``ConfigError`` naming the keys): a run keeps the config it was created with."""
-    saved = resolve_config(None, overrides, storage, run_id=run_id)
+    saved = resolve_config(None, overrides, storage, run_id=run_id, algorithm="grpo")
     if config is None:
         return saved
     given = with_warm_start_weights(resolve_config(config, overrides, storage or saved.storage.root), run_id)
@@ -208,7 +208,7 @@ def grpo(
     if resume and run_id:
         cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
     else:
-        cfg = resolve_config(config, overrides, storage)
+        cfg = resolve_config(config, overrides, storage, algorithm="grpo")
     run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
     if specs and not resume:

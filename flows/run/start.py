@@ -7,7 +7,8 @@ run's ``config.yaml`` was created or its hash checked, and the flow acts on what
 
 For a run that is continued (``resume``; an SFT warm start whose run exists) it:
 
-1. checks the config against the run's saved hash (the refusal names the changed keys);
+1. checks the config against the run's saved hash (the refusal names the changed keys) and its
+   length against the steps already trained (:func:`check_not_rewound`: a run is never rewound);
 2. checks the ``--recompute`` items: GRPO only, allowed by the config (dynamic sampling) and by
    the run's resume window (:mod:`flows.run.recompute`), and lists the datasets they delete;
 3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed;
@@ -25,14 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flows.config import MasterConfig
+from flows.config import ConfigError, MasterConfig
 from flows.run.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
-from flows.run.state import check_config_hash
+from flows.run.state import check_config_hash, trained_prefix
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.graph import STEP_INPUTS
 from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, grpo_facts_options, plan_resume, read_run_facts
 
-__all__ = ["StartPlan", "plan_start"]
+__all__ = ["StartPlan", "check_not_rewound", "plan_start"]
 
 #: what a resumed flow starts with when its actors are gone: fresh policy and generation workers
 FRESH_ACTORS = ActorHealth(policy_version=0, generation_version=0, generation_alive=True, policy_fresh=True)
@@ -71,6 +72,22 @@ class StartPlan:
         return "; ".join(parts) or "nothing to recover"
 
 
+def check_not_rewound(cfg: MasterConfig, layout: RunLayout, algorithm: str) -> None:
+    """``ConfigError`` when run ``layout.run_id`` has trained more steps than ``cfg`` allows
+    (``grpo.max_num_steps``, ``dpo.max_num_steps``): its committed steps are its history, and a
+    shorter budget would write a second, older final checkpoint beside them, not rewind it."""
+    key = f"{algorithm}.max_num_steps"
+    budget = cfg.dpo.max_num_steps if algorithm == "dpo" and cfg.dpo is not None else cfg.grpo.max_num_steps
+    opts = cfg.storage.storage_options or None
+    if trained_prefix(layout, budget + 1, opts) <= budget:
+        return
+    trained = trained_prefix(layout, None, opts)
+    raise ConfigError(
+        f"{key} = {budget} is below the {trained} steps run {layout.run_id!r} has trained: a run cannot be rewound "
+        f"(set {key} >= {trained} to resume or extend it, or start a new run)"
+    )
+
+
 def plan_start(
     cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None
 ) -> StartPlan:
@@ -88,6 +105,7 @@ def plan_start(
     check_config_hash(layout, cfg)
     if algorithm == "sft":  # no per-step persistence: it trains again from its first step
         return StartPlan(layout.run_id, algorithm, True)
+    check_not_rewound(cfg, layout, algorithm)
     check_recompute_config(specs, cfg)
     if algorithm == "grpo":
         facts_kw: dict[str, Any] = {"max_step": cfg.grpo.max_num_steps, **grpo_facts_options(cfg)}

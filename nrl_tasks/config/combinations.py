@@ -71,6 +71,11 @@ def _dpo_errors(cfg: "MasterConfig") -> list[str]:
         )
     if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
         errs.append("dpo does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
+    if cfg.dpo is not None and cfg.dpo.preference_loss_weight == 0 and cfg.dpo.sft_loss_weight == 0:
+        errs.append(
+            "dpo.preference_loss_weight and dpo.sft_loss_weight are both 0: the loss would be 0 and nothing would "
+            "train (set one of them > 0)"
+        )
     return errs
 
 
