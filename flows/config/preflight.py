@@ -9,7 +9,7 @@ would make the same ``--run-id`` refused).
   environment: is built); a user's module is imported first in a child process under
   ``NRL_PLUGIN_IMPORT_TIMEOUT_S``, so one that exits, hangs or raises anything at import is a
   ``ValueError`` naming the key and the module (:mod:`nrl_tasks.utils.import_path`);
-- the stage plug-ins of ``NRL_PLUGINS`` load;
+- the stage plug-ins of ``NRL_PLUGINS`` load (imported the same way);
 - the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist and
   parse, with the configured keys;
 - a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
@@ -64,7 +64,7 @@ def preflight(cfg: MasterConfig) -> None:
     from nrl_tasks.stages.data import load_prompt_records
 
     check_plugins(cfg)
-    load_observers()
+    load_observers(isolate=True)
     opts = cfg.storage.storage_options or None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])
     for split in splits:

@@ -13,12 +13,11 @@ flow processes started by the CLI or by a Prefect worker through their environme
 
 from __future__ import annotations
 
-import importlib
-
 from pydantic import BaseModel, Field
 
 from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import Observers, StageObserver
+from nrl_tasks.utils.import_path import import_attribute
 
 __all__ = ["PluginSettings", "load_observers"]
 
@@ -37,14 +36,14 @@ class PluginSettings(BaseModel):
         return out
 
 
-def load_observers(settings: PluginSettings | None = None) -> Observers:
-    """The observers of the configured plug-ins; ``ValueError`` naming a plug-in that cannot load."""
+def load_observers(settings: PluginSettings | None = None, *, isolate: bool = False) -> Observers:
+    """The observers of the configured plug-ins; ``ValueError`` naming a plug-in that cannot load
+    (whatever its import raises: :func:`~nrl_tasks.utils.import_path.import_attribute`;
+    ``isolate``, preflight: a module not imported yet is imported in a child process first, so an
+    exit or a hang at import is one too)."""
     found: list[StageObserver] = []
     for module, factory in (settings or PluginSettings()).specs():
-        try:
-            make = getattr(importlib.import_module(module), factory)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"NRL_PLUGINS: cannot load {module}:{factory} ({type(exc).__name__}: {exc})") from None
+        make = import_attribute(module, factory, f"NRL_PLUGINS: cannot load {module}:{factory}", isolate=isolate)
         obs = make()
         if obs is not None:
             found.append(obs)

@@ -72,3 +72,18 @@ def test_a_missing_user_module_keeps_its_import_error_words(tmp_path):
 
     with pytest.raises(ValueError, match=r"^x: cannot import module 'nrl_no_such_plugin': No module named"):
         check_import_in_child("nrl_no_such_plugin", "x", timeout_s=30)
+
+
+@pytest.mark.parametrize("name", ["exits", "hard_exits", "interrupts"])
+def test_stage_observer_plugins_that_exit_or_raise_at_import_are_value_errors(name, plugin_dir, monkeypatch):
+    """``NRL_PLUGINS``: every ``BaseException`` of the import is a ``ValueError`` naming the
+    plug-in, in this process too; ``os._exit`` (which would end this process) only in preflight's child."""
+    from flows.run.plugins import PluginSettings, load_observers
+
+    settings = PluginSettings(plugins=f"nrl_plug_{name}")
+    with pytest.raises(ValueError, match=rf"^NRL_PLUGINS: cannot load nrl_plug_{name}:observer: module .* at import"
+                       if name == "hard_exits" else rf"^NRL_PLUGINS: cannot load nrl_plug_{name}:observer: .* raised"):
+        load_observers(settings, isolate=True)
+    if name != "hard_exits":
+        with pytest.raises(ValueError, match=r"raised (SystemExit|KeyboardInterrupt)"):
+            load_observers(settings)
