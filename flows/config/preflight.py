@@ -44,11 +44,21 @@ def check_reward_fn(cfg: MasterConfig) -> None:
 def check_environment(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``env.environment`` when the environment does not import, is not an
     environment class or cannot be built with ``env.environment_kwargs`` (built here once, in this
-    process, before Ray starts)."""
+    process, before Ray starts; whatever its constructor raises, an exit included, is a ``ValueError``)."""
     from nrl_tasks.environments.loading import make_environment
 
-    if cfg.env.environment is not None:
-        make_environment(cfg.env.environment, cfg.env.environment_kwargs, isolate=True)
+    env = cfg.env
+    if env.environment is None:
+        return
+    try:
+        make_environment(env.environment, env.environment_kwargs, isolate=True)
+    except ValueError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a user's constructor may raise anything, exits included
+        raise ValueError(
+            f"env.environment {env.environment!r} with env.environment_kwargs {env.environment_kwargs or {}!r}: "
+            f"building it raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def check_plugins(cfg: MasterConfig) -> None:

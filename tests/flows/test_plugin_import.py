@@ -87,3 +87,15 @@ def test_stage_observer_plugins_that_exit_or_raise_at_import_are_value_errors(na
     if name != "hard_exits":
         with pytest.raises(ValueError, match=r"raised (SystemExit|KeyboardInterrupt)"):
             load_observers(settings)
+
+
+def test_an_environment_whose_constructor_exits_is_a_config_error(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    (tmp_path / "nrl_plug_env_exits.py").write_text(
+        "import sys\n\nclass Env:\n    def __init__(self):\n        sys.exit(1)\n\n    def step(self, m, d):\n        return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["grpo", "--config", TINY_CONFIG, "--storage", str(tmp_path / "runs"), "env.environment=nrl_plug_env_exits:Env"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "env.environment 'nrl_plug_env_exits:Env'" in err and "building it raised SystemExit: 1" in err, err
