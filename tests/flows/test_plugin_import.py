@@ -99,3 +99,21 @@ def test_an_environment_whose_constructor_exits_is_a_config_error(tmp_path, monk
     rc = main(["grpo", "--config", TINY_CONFIG, "--storage", str(tmp_path / "runs"), "env.environment=nrl_plug_env_exits:Env"])
     err = capsys.readouterr().err
     assert rc == 2 and "env.environment 'nrl_plug_env_exits:Env'" in err and "building it raised SystemExit: 1" in err, err
+
+
+@pytest.mark.parametrize("name", ["hard_exits", "interrupts"])
+def test_nrl_grpo_process_exits_2_for_a_plugin_that_exits_or_interrupts_at_import(name, plugin_dir, tmp_path):
+    """The command as a user runs it: the process's own exit status is the config error's (not 0
+    after printing nothing, not 130 "interrupted")."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.flows.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir), REPO]), "NRL_PLUGIN_IMPORT_TIMEOUT_S": "60"}
+    args = ["grpo", "--config", TINY_CONFIG, "--storage", str(tmp_path / "runs"), f"env.reward_fn=nrl_plug_{name}:f"]
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"nrl: error: env.reward_fn: reward_fn 'nrl_plug_{name}:f'"), proc.stderr
