@@ -12,9 +12,11 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
    scheduled run the eval view artifact is captured (``eval-view.png``);
 4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``; its WebGL line
    may not draw in a headless browser), and the MLflow run's reward curve when an MLflow server was
-   given (``mlflow.png``, from the Prefect link artifact to the run).
+   given (``mlflow.png``, from the Prefect link artifact to the run);
+5. a multi-turn run (the tiny model on the built-in guess-a-number game, 4 turns, chat template):
+   its rollouts artifact with whole episodes, the best and the worst (``rollouts-multi-turn.png``).
 
-    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000]
+    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000] [--parts run multi-turn]
 """
 
 from __future__ import annotations
@@ -122,14 +124,108 @@ def _metrics_steps(path: str) -> int:
         return 0
 
 
+def run_tour(args: argparse.Namespace, procs: Processes, env: dict[str, str], api: str, ui: str, out: str, tmp: str) -> None:
+    """Parts 1-4: the GRPO run, its pages, the scheduled eval sweep, TensorBoard and MLflow."""
+    from flows.observe.artifacts import artifact_key
+
+    run_id, root, logs = "tour", os.path.join(tmp, "runs"), os.path.join(tmp, "logs")
+    over = [f"warm_start.sft_steps={args.sft_steps}", f"grpo.max_num_steps={args.steps}", "checkpointing.save_period=5",
+            "grpo.val_period=5", "logger.tensorboard_enabled=true", f"logger.log_dir={logs}", "logger.console=false"]
+    if args.mlflow_uri:
+        over += ["logger.mlflow_enabled=true", f"logger.mlflow.tracking_uri={args.mlflow_uri}"]
+    train = procs.start([os.path.join(BIN, "nrl"), "grpo", "--config", "configs/grpo_tiny_demo.yaml", "--storage", root,
+                         "--run-id", run_id, *over], env, os.path.join(tmp, "grpo.log"))
+    metrics = os.path.join(root, run_id, "metrics.jsonl")
+    key = artifact_key(run_id, "summary")
+    while _metrics_steps(metrics) < args.steps // 2:
+        if train.poll() is not None:
+            raise RuntimeError(f"the grpo run ended early ({train.returncode}); see {tmp}/grpo.log")
+        time.sleep(2)
+    time.sleep(3)  # the summary is published off the training loop's critical path
+    aid = _artifact_id(api, key)
+    if aid:
+        shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-midrun.png"))
+    if train.wait(1800) != 0:
+        raise RuntimeError(f"the grpo run failed ({train.returncode}); see {tmp}/grpo.log")
+    grpo_run = next(r for r in _flow_runs(api, "grpo") if r["name"] == run_id)
+    shoot(f"{ui}/runs/flow-run/{grpo_run['id']}", os.path.join(out, "flow-run.png"), height=1400)
+    # the steps list (the run's step subflow runs) and one step's graph: its stage tasks and edges
+    step_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-step"]}}, "limit": 1})
+    if step_flow:  # the UI's page of the grpo-step flow lists every step's subflow run
+        shoot(f"{ui}/flows/flow/{step_flow[0]['id']}", os.path.join(out, "steps-list.png"), height=1400)
+    step_name = f"{run_id}-step-{max(1, args.steps // 4):04d}"
+    step_run = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [step_name]}}, "limit": 1})
+    if step_run:
+        shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}", os.path.join(out, "step-graph.png"), height=1000)
+
+    # the eval sweep on a cron schedule: its first scheduled run
+    serve_code = (
+        "from flows.algorithms.evaluate import eval_sweep\n"
+        f"eval_sweep.serve(name='eval-sweep', cron='* * * * *', parameters={{'target': {root!r}, 'num_samples': 4}})\n"
+    )
+    served = procs.start([sys.executable, "-c", serve_code], env, os.path.join(tmp, "serve.log"))
+    deadline = time.monotonic() + 600
+    done = None
+    while done is None:
+        if served.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no scheduled eval sweep completed; see {tmp}/serve.log")
+        time.sleep(5)
+        done = next((r for r in _flow_runs(api, "eval-sweep") if r["state_type"] == "COMPLETED"), None)
+    procs.stop(served)
+    print(f"[tour] scheduled eval sweep {done['name']} completed", flush=True)
+    aid = _artifact_id(api, artifact_key(os.path.basename(root), "evals"))
+    if aid:
+        shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "eval-view.png"), height=1300)
+
+    tb_port = find_free_port()
+    tb = procs.start([os.path.join(BIN, "tensorboard"), "--logdir", logs, "--host", "127.0.0.1", "--port", str(tb_port)],
+                     env, os.path.join(tmp, "tensorboard.log"))
+    _wait_http(f"http://127.0.0.1:{tb_port}/", 120, tb)
+    tag = urllib.parse.quote("train/reward_mean")
+    shoot(f"http://127.0.0.1:{tb_port}/?darkMode=false&tagFilter={tag}#timeseries", os.path.join(out, "tensorboard.png"))
+    if args.mlflow_uri:
+        aid = _artifact_id(api, artifact_key(run_id, "mlflow"))
+        if aid is None:
+            keys = [a["key"] for a in _api(api, "/artifacts/latest/filter", {"limit": 50})]
+            raise RuntimeError(f"no MLflow link artifact; the artifact keys: {keys}")
+        link = _api(api, f"/artifacts/{aid}")["data"]  # "[text](url)"
+        url = link.split("](", 1)[1].rstrip(")") if "](" in link else link
+        base, exp_run = url.split("/#/experiments/", 1)
+        exp, mlflow_run = exp_run.split("/runs/", 1)
+        q = lambda v: urllib.parse.quote(json.dumps(v))  # noqa: E731 - MLflow's metric page takes JSON values
+        shoot(f"{base}/#/metric?runs={q([mlflow_run])}&metric={q('train/reward_mean')}&experiments={q([exp])}"
+              f"&plot_metric_keys={q(['train/reward_mean'])}&x_axis=step", os.path.join(out, "mlflow.png"), height=1000)
+
+
+def multi_turn_tour(procs: Processes, env: dict[str, str], api: str, ui: str, out: str, tmp: str, steps: int) -> None:
+    """A short multi-turn GRPO run and its rollouts artifact: the episodes' conversations."""
+    from flows.observe.artifacts import artifact_key
+
+    run_id = "tour-mt"
+    over = ["data.dataset=guess_number", "env.environment=guess_number", "data.arithmetic.max_operand=16",
+            "grpo.max_rollout_turns=4", "data.chat_template=true", "generation.max_new_tokens=6",
+            "policy.max_total_sequence_length=192", f"grpo.max_num_steps={steps}", "checkpointing.enabled=false",
+            "logger.console=false"]
+    train = procs.start([os.path.join(BIN, "nrl"), "grpo", "--config", "configs/grpo_tiny.yaml", "--storage",
+                         os.path.join(tmp, "runs"), "--run-id", run_id, *over], env, os.path.join(tmp, "grpo-mt.log"))
+    if train.wait(1800) != 0:
+        raise RuntimeError(f"the multi-turn grpo run failed ({train.returncode}); see {tmp}/grpo-mt.log")
+    aid = _artifact_id(api, artifact_key(run_id, "rollouts"))
+    if aid is None:
+        raise RuntimeError("the multi-turn run published no rollouts artifact")
+    shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "rollouts-multi-turn.png"), height=1600)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ui_tour", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="ui-screens")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--mlflow-uri", default=None, help="an MLflow server the run logs to (its UI is captured)")
+    ap.add_argument("--parts", nargs="*", choices=["run", "multi-turn"], default=["run", "multi-turn"],
+                    help="run: the GRPO run, its eval sweep and trackers (1-4); multi-turn: 5")
+    ap.add_argument("--multi-turn-steps", type=int, default=3)
     args = ap.parse_args(argv)
-    from flows.observe.artifacts import artifact_key
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="nrl-tour-")
@@ -147,73 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         server = procs.start([os.path.join(BIN, "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              env, os.path.join(tmp, "server.log"))
         _wait_http(f"{api}/health", 240, server)
-        run_id, root, logs = "tour", os.path.join(tmp, "runs"), os.path.join(tmp, "logs")
-        over = [f"warm_start.sft_steps={args.sft_steps}", f"grpo.max_num_steps={args.steps}", "checkpointing.save_period=5",
-                "grpo.val_period=5", "logger.tensorboard_enabled=true", f"logger.log_dir={logs}", "logger.console=false"]
-        if args.mlflow_uri:
-            over += ["logger.mlflow_enabled=true", f"logger.mlflow.tracking_uri={args.mlflow_uri}"]
-        train = procs.start([os.path.join(BIN, "nrl"), "grpo", "--config", "configs/grpo_tiny_demo.yaml", "--storage", root,
-                             "--run-id", run_id, *over], env, os.path.join(tmp, "grpo.log"))
-        metrics = os.path.join(root, run_id, "metrics.jsonl")
-        key = artifact_key(run_id, "summary")
-        while _metrics_steps(metrics) < args.steps // 2:
-            if train.poll() is not None:
-                raise RuntimeError(f"the grpo run ended early ({train.returncode}); see {tmp}/grpo.log")
-            time.sleep(2)
-        time.sleep(3)  # the summary is published off the training loop's critical path
-        aid = _artifact_id(api, key)
-        if aid:
-            shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-midrun.png"))
-        if train.wait(1800) != 0:
-            raise RuntimeError(f"the grpo run failed ({train.returncode}); see {tmp}/grpo.log")
-        grpo_run = next(r for r in _flow_runs(api, "grpo") if r["name"] == run_id)
-        shoot(f"{ui}/runs/flow-run/{grpo_run['id']}", os.path.join(out, "flow-run.png"), height=1400)
-        # the steps list (the run's step subflow runs) and one step's graph: its stage tasks and edges
-        step_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-step"]}}, "limit": 1})
-        if step_flow:  # the UI's page of the grpo-step flow lists every step's subflow run
-            shoot(f"{ui}/flows/flow/{step_flow[0]['id']}", os.path.join(out, "steps-list.png"), height=1400)
-        step_name = f"{run_id}-step-{max(1, args.steps // 4):04d}"
-        step_run = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [step_name]}}, "limit": 1})
-        if step_run:
-            shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}", os.path.join(out, "step-graph.png"), height=1000)
-
-        # the eval sweep on a cron schedule: its first scheduled run
-        serve_code = (
-            "from flows.algorithms.evaluate import eval_sweep\n"
-            f"eval_sweep.serve(name='eval-sweep', cron='* * * * *', parameters={{'target': {root!r}, 'num_samples': 4}})\n"
-        )
-        served = procs.start([sys.executable, "-c", serve_code], env, os.path.join(tmp, "serve.log"))
-        deadline = time.monotonic() + 600
-        done = None
-        while done is None:
-            if served.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"no scheduled eval sweep completed; see {tmp}/serve.log")
-            time.sleep(5)
-            done = next((r for r in _flow_runs(api, "eval-sweep") if r["state_type"] == "COMPLETED"), None)
-        procs.stop(served)
-        print(f"[tour] scheduled eval sweep {done['name']} completed", flush=True)
-        aid = _artifact_id(api, artifact_key(os.path.basename(root), "evals"))
-        if aid:
-            shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "eval-view.png"), height=1300)
-
-        tb_port = find_free_port()
-        tb = procs.start([os.path.join(BIN, "tensorboard"), "--logdir", logs, "--host", "127.0.0.1", "--port", str(tb_port)],
-                         env, os.path.join(tmp, "tensorboard.log"))
-        _wait_http(f"http://127.0.0.1:{tb_port}/", 120, tb)
-        tag = urllib.parse.quote("train/reward_mean")
-        shoot(f"http://127.0.0.1:{tb_port}/?darkMode=false&tagFilter={tag}#timeseries", os.path.join(out, "tensorboard.png"))
-        if args.mlflow_uri:
-            aid = _artifact_id(api, artifact_key(run_id, "mlflow"))
-            if aid is None:
-                keys = [a["key"] for a in _api(api, "/artifacts/latest/filter", {"limit": 50})]
-                raise RuntimeError(f"no MLflow link artifact; the artifact keys: {keys}")
-            link = _api(api, f"/artifacts/{aid}")["data"]  # "[text](url)"
-            url = link.split("](", 1)[1].rstrip(")") if "](" in link else link
-            base, exp_run = url.split("/#/experiments/", 1)
-            exp, mlflow_run = exp_run.split("/runs/", 1)
-            q = lambda v: urllib.parse.quote(json.dumps(v))  # noqa: E731 - MLflow's metric page takes JSON values
-            shoot(f"{base}/#/metric?runs={q([mlflow_run])}&metric={q('train/reward_mean')}&experiments={q([exp])}"
-                  f"&plot_metric_keys={q(['train/reward_mean'])}&x_axis=step", os.path.join(out, "mlflow.png"), height=1000)
+        if "run" in args.parts:
+            run_tour(args, procs, env, api, ui, out, tmp)
+        if "multi-turn" in args.parts:
+            multi_turn_tour(procs, env, api, ui, out, tmp, args.multi_turn_steps)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()
