@@ -93,3 +93,18 @@ def test_a_new_run_of_the_wrong_kind_is_refused(argv, needle, tmp_path, capsys):
     err = _refused([*argv, "--storage", str(root), "--run-id", "n"], capsys)
     assert needle in err, err
     assert not (root / "n").exists()
+
+
+def test_the_finished_e2e_run_is_not_rewound(e2e_run, capsys):
+    """The real thing on the session's finished 3-step run: refused before anything is written
+    (no second final checkpoint, ``nrl runs`` still ``3/3``)."""
+    from flows.cli import main
+    from tests.flows.conftest import E2E_RUN_ID
+
+    root = e2e_run["root"]
+    checkpoints = sorted(os.listdir(os.path.join(root, E2E_RUN_ID, "checkpoints")))
+    err = _refused(["resume", E2E_RUN_ID, "--storage", root, "grpo.max_num_steps=2"], capsys)
+    assert f"grpo.max_num_steps = 2 is below the 3 steps run '{E2E_RUN_ID}' has trained" in err, err
+    assert sorted(os.listdir(os.path.join(root, E2E_RUN_ID, "checkpoints"))) == checkpoints
+    assert main(["runs", "--storage", root]) == 0
+    assert "3/3" in [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(E2E_RUN_ID)][0]
