@@ -13,7 +13,8 @@ Cases (each one GRPO run per seed, 8 prompts x 4 samples a step, chat template o
   the same SFT budget on direct answers (the file without its ``demonstration`` column): the
   model must answer in its first turn;
 - ``guess_number``: ``env.environment=guess_number``, up to 6 turns, a secret in 1..16 (reward
-  ``0.8 ** (turns - 1)`` when found); no warm start (a secret cannot be demonstrated).
+  ``0.8 ** (turns - 1)`` when found); warm start: SFT on the built-in prompts' demonstrations (the
+  game played by bisection: guesses and replies).
 
 Both calculator cases read one prompt file the benchmark writes (``data.dataset=file``), so their
 prompts are the same. Per run and step, read from the persisted rollouts: the success rate
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cases", nargs="*", choices=sorted(CASES), default=None)
     ap.add_argument("--seeds", type=int, nargs="*", default=None)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--sft-steps", type=int, default=None, help="warm start of the calculator cases (default 6: 24 reach 100%%)")
+    ap.add_argument("--sft-steps", type=int, default=None, help="warm start of every case (default 6; 24 take the calculator to 100%%)")
     ap.add_argument("--sft-lr", type=float, default=5e-5)
     ap.add_argument("--json", default=None, help="also write the per-step figures here")
     ap.add_argument("overrides", nargs="*")
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         files = calculator_files(tmp)
         sft_steps = args.sft_steps if args.sft_steps is not None else (2 if args.quick else 6)
         for case in cases:
-            extra = [f"data.train_path={files[case]}", f"warm_start.sft_steps={sft_steps}", "warm_start.batch_size=16",
-                     f"warm_start.lr={args.sft_lr}"] if case in files else []
+            warm = [f"warm_start.sft_steps={sft_steps}", "warm_start.batch_size=16", f"warm_start.lr={args.sft_lr}"]
+            extra = [f"data.train_path={files[case]}", *warm] if case in files else warm
             out[case] = [run(config, [*CASES[case], *extra, *args.overrides], steps, s, f"{case}-s{s}", tmp) for s in seeds]
     if args.json:
         with open(args.json, "w") as fh:
