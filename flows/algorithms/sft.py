@@ -35,18 +35,20 @@ def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any
     turns in the loss (:func:`~nrl_tasks.stages.multi_turn.demonstration_tokens`); at most the
     last ``max_len`` tokens of a row."""
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-    from nrl_tasks.stages.data import format_prompt, masked_batch
+    from nrl_tasks.stages.data import clip_text, format_prompt, masked_batch
     from nrl_tasks.stages.multi_turn import demonstration_tokens
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     rows = []
     for r in records:
-        p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
+        p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_len), add_special_tokens=False)["input_ids"]
         if r.get("demonstration"):
-            ids, mask = demonstration_tokens(tokenizer, p, r["demonstration"], chat_template=data_cfg.chat_template, eos_id=eos)
-        else:
-            a = tokenizer(" " + r["answer"], add_special_tokens=False)["input_ids"] + [eos]
+            ids, mask = demonstration_tokens(
+                tokenizer, p, r["demonstration"], chat_template=data_cfg.chat_template, eos_id=eos, max_tokens=max_len
+            )
+        else:  # texts cut by characters first: only the row's last max_len tokens are kept
+            a = tokenizer(clip_text(" " + r["answer"], max_len, keep="tail"), add_special_tokens=False)["input_ids"] + [eos]
             ids, mask = p + a, [0.0] * len(p) + [1.0] * len(a)
         rows.append((ids[-max_len:], mask[-max_len:]))
     return BatchedDataDict({**masked_batch(rows, pad), "sample_mask": torch.ones(len(rows))})

@@ -9,7 +9,24 @@ from pydantic import Field, model_validator
 from nrl_tasks.config.base import Section
 from nrl_tasks.config.bounds import MAX_DATASET_ROWS, MAX_SEQUENCE_TOKENS
 
-__all__ = ["ArithmeticDataConfig", "DataConfig", "EnvConfig", "RewardModelEnvConfig"]
+__all__ = ["GENERATED_DATA_BYTES", "ArithmeticDataConfig", "DataConfig", "EnvConfig", "RewardModelEnvConfig", "generated_record_bytes"]
+
+GENERATED_DATA_BYTES = 4 << 30
+"""Memory a generated data set (``data.arithmetic.num_train`` / ``num_val`` records of the built-in
+arithmetic, calculator or guess-number task) may take, estimated by :func:`generated_record_bytes`:
+4 GiB. ``num_train=1e8`` took about 10 GB in preflight alone; it is refused before anything runs."""
+
+
+def generated_record_bytes(max_operand: int, few_shot: int) -> int:
+    """Estimated bytes one generated record costs while a run holds it: the Python record (a dict
+    and two strings, ~250 bytes), its prompt text (``few_shot + 1`` problems of two operands and
+    ~24 characters) and, as the preflight check and the snapshot hold it again, three copies of it.
+
+    >>> generated_record_bytes(9, 0)
+    828
+    """
+    problem = 2 * len(str(max_operand)) + 24
+    return 3 * (250 + (few_shot + 1) * problem)
 
 
 class ArithmeticDataConfig(Section):
@@ -63,7 +80,22 @@ class DataConfig(Section):
             raise ValueError("data.train_path is required when data.dataset is 'file'")
         if "{prompt}" not in self.prompt_template:
             raise ValueError("data.prompt_template must contain '{prompt}'")
+        if self.dataset != "file":
+            self._check_generated_size()
         return self
+
+    def _check_generated_size(self) -> None:
+        """Refuse a generated data set larger than :data:`GENERATED_DATA_BYTES`, naming the key."""
+        a = self.arithmetic
+        per = generated_record_bytes(a.max_operand, a.few_shot)
+        for key, num in (("num_train", a.num_train), ("num_val", a.num_val)):
+            if num * per > GENERATED_DATA_BYTES:
+                raise ValueError(
+                    f"data.arithmetic.{key}={num} would take about {num * per / 2**30:.1f} GiB "
+                    f"(~{per} bytes per {self.dataset} record with data.arithmetic.few_shot={a.few_shot}, "
+                    f"max_operand={a.max_operand}), more than the {GENERATED_DATA_BYTES >> 30} GiB a generated "
+                    f"data set may take; use at most data.arithmetic.{key}={GENERATED_DATA_BYTES // per}"
+                )
 
 
 class RewardModelEnvConfig(Section):

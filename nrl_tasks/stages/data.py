@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 import torch
 
@@ -34,7 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.run_layout import RunLayout
 
 __all__ = [
+    "CHARS_PER_TOKEN",
     "check_prompt_lengths",
+    "clip_text",
     "completion_batch",
     "masked_batch",
     "prompt_messages",
@@ -46,8 +48,16 @@ __all__ = [
     "load_prompt_records",
     "step_record_indices",
     "snapshot_records",
+    "text_budget",
     "tokenize_prompts",
 ]
+
+CHARS_PER_TOKEN = 32
+"""A generous bound on the characters one token stands for. Text fields (prompt, answer, chosen,
+rejected, demonstration turns) are cut to :func:`text_budget` characters *before* they are
+tokenised, so a 50 MB line costs 50 MB, not the many GB of tokenising it whole. Real BPE
+vocabularies average 3-5 characters per token and their longest tokens are runs of 16-32 spaces or
+dashes, so the tokens a run keeps (at most the token limit) always lie inside the cut."""
 
 
 def derive_seed(seed: int, *parts: Any) -> int:
@@ -272,6 +282,29 @@ def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_opt
 # formatting and tokenising
 
 
+def text_budget(max_tokens: int) -> int:
+    """Characters of a text field kept before tokenising when at most ``max_tokens`` of its tokens
+    can be used: ``(max_tokens + 1) * CHARS_PER_TOKEN``.
+
+    >>> text_budget(63)
+    2048
+    """
+    return (int(max_tokens) + 1) * CHARS_PER_TOKEN
+
+
+def clip_text(text: str, max_tokens: int, *, keep: Literal["head", "tail"]) -> str:
+    """``text`` cut to :func:`text_budget` characters: its start (``keep="head"``: a response whose
+    first tokens are kept) or its end (``"tail"``: a prompt or row whose last tokens are kept).
+
+    >>> clip_text("abcdef" * 100, 1, keep="tail")[-6:], len(clip_text("x" * 10**6, 1, keep="head"))
+    ('abcdef', 64)
+    """
+    budget = text_budget(max_tokens)
+    if len(text) <= budget:
+        return text
+    return text[:budget] if keep == "head" else text[-budget:]
+
+
 def prompt_messages(prompt: str, data_cfg: DataConfig) -> list[dict[str, str]]:
     """The conversation a prompt opens: ``data.system_prompt`` (if set), then the user's
     ``data.prompt_template`` around ``prompt``."""
@@ -279,8 +312,13 @@ def prompt_messages(prompt: str, data_cfg: DataConfig) -> list[dict[str, str]]:
     return [*system, {"role": "user", "content": data_cfg.prompt_template.replace("{prompt}", prompt)}]
 
 
-def format_prompt(prompt: str, data_cfg: DataConfig, tokenizer: Any = None) -> str:
-    """Apply ``data.prompt_template`` and, when ``data.chat_template``, the tokenizer's chat template."""
+def format_prompt(prompt: str, data_cfg: DataConfig, tokenizer: Any = None, *, max_tokens: int | None = None) -> str:
+    """Apply ``data.prompt_template`` and, when ``data.chat_template``, the tokenizer's chat template.
+
+    With ``max_tokens`` (the prompt token budget) the prompt is first cut to its last
+    :func:`text_budget` characters (:func:`clip_text`): only its last tokens can be kept."""
+    if max_tokens is not None:
+        prompt = clip_text(prompt, max_tokens, keep="tail")
     messages = prompt_messages(prompt, data_cfg)
     if data_cfg.chat_template:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -300,13 +338,22 @@ def tokenize_prompts(
     """Token ids ``[B, S]`` (int64, right-padded) and lengths ``[B]`` of ``texts``.
 
     A prompt longer than ``max_length`` tokens raises ``ValueError`` (``overlong="reject"``) or
-    keeps its last ``max_length`` tokens (``"truncate"``). Empty prompts are rejected.
+    keeps its last ``max_length`` tokens (``"truncate"``). A text longer than
+    ``text_budget(max_length)`` characters is over-long before it is tokenised: rejected, or cut
+    to its last characters first (:func:`clip_text`). Empty prompts are rejected.
     """
     pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
     if pad is None:
         pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     rows: list[list[int]] = []
     for i, text in enumerate(texts):
+        if len(text) > text_budget(max_length) and overlong == "reject":
+            raise ValueError(
+                f"prompt {i} has {len(text)} characters, more than {max_length} tokens can hold "
+                f"({CHARS_PER_TOKEN} characters per token; data.max_input_seq_length); "
+                f"set data.overlong_prompts=truncate to keep its last tokens: {text[:80]!r}"
+            )
+        text = clip_text(text, max_length, keep="tail")
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise ValueError(f"prompt {i} tokenizes to nothing: {text!r}")
@@ -339,21 +386,26 @@ def check_prompt_lengths(
     With ``data.overlong_prompts == "reject"`` a prompt longer than ``max_length`` tokens raises
     ``ValueError`` naming ``source``, the record and its token count (up to 5 listed); with
     ``"truncate"`` nothing raises (:func:`tokenize_prompts` keeps the last ``max_length`` tokens).
-    Returns the number of over-long prompts.
+    A prompt longer than ``text_budget(max_length)`` characters is over-long without being
+    tokenised whole (only its cut is). Returns the number of over-long prompts.
     """
     if max_length < 1:
         raise ValueError(f"the prompt token budget must be >= 1, got {max_length}")
-    texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in records]
-    over: list[tuple[int, int]] = []
-    for start in range(0, len(texts), 1024):
-        ids = tokenizer(texts[start : start + 1024], add_special_tokens=False)["input_ids"]
-        for j, row in enumerate(ids):
+    budget = text_budget(max_length)
+    over: list[tuple[int, str]] = []
+    for start in range(0, len(records), 1024):
+        chunk = records[start : start + 1024]
+        texts = [format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_length) for r in chunk]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for j, (rec, row) in enumerate(zip(chunk, ids)):
             if not row:
-                raise ValueError(f"{source} record {start + j}: the prompt tokenizes to nothing: {texts[start + j]!r}")
-            if len(row) > max_length:
-                over.append((start + j, len(row)))
+                raise ValueError(f"{source} record {start + j}: the prompt tokenizes to nothing: {texts[j]!r}")
+            if len(rec["prompt"]) > budget:
+                over.append((start + j, f"{len(rec['prompt'])} characters"))
+            elif len(row) > max_length:
+                over.append((start + j, f"{len(row)} tokens"))
     if over and data_cfg.overlong_prompts == "reject":
-        shown = ", ".join(f"record {i} ({n} tokens)" for i, n in over[:5])
+        shown = ", ".join(f"record {i} ({n})" for i, n in over[:5])
         more = f" and {len(over) - 5} more" if len(over) > 5 else ""
         raise ValueError(
             f"{source}: {len(over)} prompt(s) longer than {max_length} tokens (data.max_input_seq_length, or "

@@ -44,7 +44,7 @@ __all__ = ["CheckpointVanishedError", "evaluate", "evaluate_records", "summarize
 def _prompt_batch(records: list[dict[str, str]], data_cfg: DataConfig, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
     from nrl_tasks.stages.data import format_prompt, tokenize_prompts
 
-    texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in records]
+    texts = [format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_prompt_tokens) for r in records]
     ids, lengths = tokenize_prompts(texts, tokenizer, max_length=max_prompt_tokens, overlong=data_cfg.overlong_prompts)
     batch = BatchedDataDict(
         {

@@ -74,7 +74,7 @@ def build_prompt_batch(
         )
         seed_stage = seed_stage if gen_batch == 0 else f"{seed_stage}-gb{gen_batch}"
     chosen = [records[i] for i in idx]
-    texts = [format_prompt(r["prompt"], data_cfg, tokenizer) for r in chosen]
+    texts = [format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_prompt_tokens) for r in chosen]
     input_ids, lengths = tokenize_prompts(
         texts, tokenizer, max_length=max_prompt_tokens, overlong=data_cfg.overlong_prompts
     )

@@ -41,7 +41,7 @@ import torch
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.environments.interfaces import Message, MessageLog
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.data import derive_seed, prompt_messages
+from nrl_tasks.stages.data import clip_text, derive_seed, prompt_messages
 
 __all__ = [
     "MultiTurnRollout", "demonstration_tokens", "episode_runner", "first_turns", "multi_turn_rollouts", "observation_suffix",
@@ -71,12 +71,15 @@ def observation_suffix(tokenizer: Any, obs: Message, *, chat_template: bool, clo
 
 def demonstration_tokens(
     tokenizer: Any, prompt_ids: list[int], demonstration: str | MessageLog, *, chat_template: bool, eos_id: int,
+    max_tokens: int | None = None,
 ) -> tuple[list[int], list[float]]:
     """A demonstrated episode's ``(ids, token_mask)`` after ``prompt_ids``, built the way
     :class:`MultiTurnRollout` builds a sampled one (what an SFT warm start trains on): each
     assistant message's content tokenised as if sampled (mask 1; the last, the final answer,
     closed by ``eos_id``), every other message appended as its observation suffix (mask 0).
-    ``demonstration``: the messages after the prompt (a JSON text, as a data row holds it)."""
+    ``demonstration``: the messages after the prompt (a JSON text, as a data row holds it).
+    ``max_tokens``: only the row's last ``max_tokens`` tokens are kept, so each message's text is
+    first cut to its last :func:`~nrl_tasks.stages.data.text_budget` characters."""
     log = json.loads(demonstration) if isinstance(demonstration, str) else demonstration
     if not (isinstance(log, list) and log and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in log)):
         raise ValueError("a demonstration must be a non-empty list of {'role', 'content'} messages")
@@ -85,10 +88,13 @@ def demonstration_tokens(
     ids, mask = list(prompt_ids), [0.0] * len(prompt_ids)
     for k, msg in enumerate(log):
         if msg["role"] == "assistant":
-            toks = tokenizer(str(msg["content"]), add_special_tokens=False)["input_ids"] + ([eos_id] if k == len(log) - 1 else [])
+            text = str(msg["content"]) if max_tokens is None else clip_text(str(msg["content"]), max_tokens, keep="tail")
+            toks = tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos_id] if k == len(log) - 1 else [])
             ids += toks
             mask += [1.0] * len(toks)
         else:  # an earlier turn ended at a stop string, not at the end-of-turn token
+            if max_tokens is not None:
+                msg = {**msg, "content": clip_text(str(msg["content"]), max_tokens, keep="tail")}
             suffix = observation_suffix(tokenizer, msg, chat_template=chat_template, closed_by=None)
             toks = tokenizer(suffix, add_special_tokens=False)["input_ids"]
             ids += toks

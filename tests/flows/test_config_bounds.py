@@ -182,3 +182,23 @@ def test_cli_refuses_infinite_lr_and_boolean_steps(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.count("nrl: error:") == 1, err
     assert "policy.optimizer.kwargs.lr: must be a finite number" in err and "grpo.max_num_steps: must be an integer" in err
+
+
+@pytest.mark.parametrize("config", [TINY_CONFIG, "configs/dpo_tiny.yaml"])
+def test_a_generated_data_set_larger_than_memory_allows_is_refused_naming_the_key(config, tmp_path, capsys):
+    """``data.arithmetic.num_train=1e8`` (inside the old 10**8 row bound, ~10 GB in preflight) is a
+    config error naming the key before anything runs; so is a few-shot set that would not fit
+    (issue 27, item 5)."""
+    import time
+
+    from flows.cli import main
+
+    kind = "dpo" if "dpo" in config else "grpo"
+    t = time.monotonic()
+    assert main([kind, "--config", config, "--storage", str(tmp_path / "runs"), "data.arithmetic.num_train=1e8"]) == 2
+    err = capsys.readouterr().err
+    assert "data.arithmetic.num_train=100000000 would take about" in err and "GiB" in err, err
+    assert time.monotonic() - t < 30
+    msg = _problems(["data.arithmetic.num_val=1e6", "data.arithmetic.few_shot=1024"])
+    assert "data.arithmetic.num_val=1000000 would take about" in msg, msg
+    assert load_config(TINY_CONFIG, ["data.arithmetic.num_train=1e6"]).data.arithmetic.num_train == 10**6

@@ -161,3 +161,59 @@ def test_format_and_tokenize(tiny_model_dir):
         tokenize_prompts(["What is 1+1? Answer:"], tok, max_length=3)
     cut, n = tokenize_prompts(["What is 1+1? Answer:"], tok, max_length=3, overlong="truncate")
     assert n.tolist() == [3] and cut[0].tolist() == ids[0, lengths[0] - 3 : lengths[0]].tolist()
+
+
+_HUGE_LINE_SCRIPT = r"""
+import json, resource, sys
+
+resource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))  # the unbounded code must not take the machine down
+from transformers import AutoTokenizer
+
+from nrl_tasks.config.data import DataConfig
+from nrl_tasks.stages.data import check_prompt_lengths, format_prompt, load_prompt_file, tokenize_prompts
+from nrl_tasks.stages.preferences import build_pair_batch, load_preference_file
+
+model_dir, pref_path, prompt_path = sys.argv[1:4]
+tok = AutoTokenizer.from_pretrained(model_dir)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = DataConfig(overlong_prompts="truncate")
+pairs = build_pair_batch(load_preference_file(pref_path), [0], tok, cfg, 64)
+prompts = load_prompt_file(prompt_path)
+over = check_prompt_lengths(prompts, cfg, tok, 64)
+ids, lengths = tokenize_prompts([format_prompt(r["prompt"], cfg, tok, max_tokens=64) for r in prompts], tok,
+                                max_length=64, overlong="truncate")
+try:
+    check_prompt_lengths(prompts, DataConfig(), tok, 64)
+    rejected = ""
+except ValueError as exc:
+    rejected = str(exc)
+print(json.dumps({"before_kb": before, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "over": over, "lengths": lengths.tolist(), "pair_lengths": pairs["input_lengths"].tolist(),
+                  "last_ids": ids[0, :64].tolist(), "rejected": rejected}))
+"""
+
+
+def test_a_50mb_line_is_cut_by_characters_before_it_is_tokenised(tmp_path, tiny_model_dir):
+    """A 50 MB response in a DPO preference file and a 50 MB prompt in a prompt file: loading,
+    checking and tokenising them stays under 1 GB peak (it took 16.5 GB when the text was tokenised
+    whole), truncation keeps the same last tokens as a short prompt with the same end, and
+    ``data.overlong_prompts: reject`` still rejects (issue 27, item 5)."""
+    import subprocess
+    import sys
+
+    huge = "What is 2+3? Answer: 5\n" * (50_000_000 // 23)
+    pref, prompt = tmp_path / "pairs.jsonl", tmp_path / "prompts.jsonl"
+    pref.write_text(json.dumps({"prompt": "What is 1+1?", "chosen": huge, "rejected": " 3"}) + "\n")
+    prompt.write_text(json.dumps({"prompt": huge + "What is 7+1?", "answer": "8"}) + "\n")
+    proc = subprocess.run([sys.executable, "-c", _HUGE_LINE_SCRIPT, tiny_model_dir, str(pref), str(prompt)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["peak_kb"] < 1 << 20, f"peak RSS {out['peak_kb'] / 1024:.0f} MiB (before loading: {out['before_kb'] / 1024:.0f} MiB)"
+    assert out["over"] == 1 and out["lengths"] == [64] and max(out["pair_lengths"]) == 64
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    short = ("What is 2+3? Answer: 5\n" * 100 + "What is 7+1?")
+    assert out["last_ids"] == tok(short, add_special_tokens=False)["input_ids"][-64:]
+    assert "record 0 (" in out["rejected"] and "characters)" in out["rejected"] and "data.overlong_prompts=truncate" in out["rejected"]
