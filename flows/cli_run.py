@@ -53,7 +53,8 @@ class _StopSignals:
 def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
     """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
     ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
-    SIGTERM) is printed with the resume hint (or, for a refused run lease, the take-over advice):
+    SIGTERM) is printed after the resume hint (or, for a refused run lease, the take-over advice),
+    as the last line, naming the root cause through Ray's wrappers (:func:`describe_error`):
     130 (SIGINT), 143 (SIGTERM), else 1."""
     hint = f"nrl: resume with `nrl resume {layout.run_id} --storage {layout.root}`"
     t0 = time.perf_counter()
@@ -62,15 +63,16 @@ def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
             result = call()
         except BaseException as exc:  # noqa: BLE001 - SystemExit from user code too; no Prefect traceback twice
             from flows.run.lease import lease_refusal
+            from nrl_tasks.stages.errors import describe_error
 
+            held = lease_refusal(exc)
+            print(f"nrl: {held}" if held is not None else hint, file=sys.stderr)
             if signals.received == signal.SIGTERM:
                 print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
             elif signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
                 print(f"nrl: run {layout.run_id} interrupted", file=sys.stderr)
-            else:
-                print(f"nrl: run {layout.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            held = lease_refusal(exc)
-            print(f"nrl: {held}" if held is not None else hint, file=sys.stderr)
+            else:  # the last line: the root cause, not Ray's "RayTaskError(ValueError): ray::PolicyWorker.setup() ..."
+                print(f"nrl: run {layout.run_id} failed: {describe_error(exc)}", file=sys.stderr)
             if signals.received == signal.SIGTERM:
                 return EXIT_SIGTERM
             if signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):

@@ -25,10 +25,12 @@ __all__ = [
     "NonFiniteTrainingError",
     "RefitFailedError",
     "StalePolicyError",
+    "describe_error",
     "exception_chain",
     "is_actor_fault",
     "nonfinite_training_error",
     "policy_weights_invalid",
+    "root_cause",
 ]
 
 #: Defaults of ``grpo.stage_retries`` / ``grpo.stage_retry_delay_s``.
@@ -78,6 +80,46 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
         yield exc
         cause = getattr(exc, "cause", None)
         exc = cause if isinstance(cause, BaseException) else (exc.__cause__ or exc.__context__)
+
+
+def _is_ray_wrapper(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ray's report of an error raised elsewhere (a ``RayTaskError`` from a task
+    or actor method, a ``RayActorError`` from an actor's constructor)."""
+    import sys
+
+    rx = sys.modules.get("ray.exceptions")  # no Ray imported: no Ray error
+    return rx is not None and isinstance(exc, (rx.RayTaskError, rx.RayActorError))
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error ``exc`` reports: through Ray's wrappers (``RayTaskError(ValueError)``,
+    ``RayActorError``: their ``.cause``, else ``__cause__``) down to the exception raised in the
+    worker; any other exception is its own root (its own message names what failed)."""
+    seen: set[int] = set()
+    while _is_ray_wrapper(exc) and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        inner = cause if isinstance(cause, BaseException) else exc.__cause__
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"<Type>: <message>"`` of ``exc``'s :func:`root_cause`: what the CLI's last line and the
+    run's ``status.json`` say when a run fails, e.g. ``"ValueError: lora_cfg.target_modules ..."``
+    rather than ``"RayTaskError(ValueError): ray::PolicyWorker.setup() (pid=..., repr=...)"``
+    followed by a remote traceback. A Ray wrapper with no cause (``ActorDiedError`` of an actor
+    whose constructor raised) is named with its traceback's last line, the worker's error."""
+    import re
+
+    root = root_cause(exc)
+    text = str(root).strip()
+    if _is_ray_wrapper(root):
+        lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines() if line.strip()]
+        text = lines[-1] if lines else ""
+    return f"{type(root).__name__}: {text}" if text else type(root).__name__
 
 
 def is_actor_fault(exc: BaseException | None) -> bool:

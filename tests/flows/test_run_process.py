@@ -136,3 +136,52 @@ def test_session_processes_refuses_a_non_session_root():
     for bad in ("", "/", "/tmp"):
         with pytest.raises(ValueError, match="session"):
             session_processes(bad)
+
+
+def test_a_failed_runs_last_line_names_the_root_cause_through_rays_wrappers(ray_session, tmp_path, capsys):
+    """A worker's ValueError (a bad LoRA key in ``PolicyWorker.setup``), ENOSPC, a
+    ``NonFiniteTrainingError`` and a constructor that raises, all seen through real Ray actors:
+    the CLI's last line is ``nrl: run R failed: <Type>: <message>`` of the worker's exception
+    (was: ``RayTaskError(ValueError): ray::PolicyWorker.setup() (pid=..., repr=<...>)`` and the
+    remote traceback) (issue 27, item 6b)."""
+    import errno
+
+    import ray
+
+    from flows.cli_run import EXIT_FAILED, run_flow
+    from nrl_tasks.models.policy.errors import NonFiniteTrainingError
+    from nrl_tasks.run_layout import RunLayout
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def setup(self):
+            raise ValueError("policy.dtensor_cfg.lora_cfg.target_modules: no module matches 'no_such_proj'")
+
+        def save(self):
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/r/steps/step_000001")
+
+        def train(self):
+            raise NonFiniteTrainingError("non-finite loss nan at global batch 0", what="loss", value=float("nan"))
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self):
+            raise ValueError("lora dim 1000000000 is too large")
+
+        def ping(self):
+            return 1
+
+    layout = RunLayout(str(tmp_path), "r1")
+    worker = Worker.remote()
+    cases = [
+        (worker.setup.remote, "ValueError: policy.dtensor_cfg.lora_cfg.target_modules: no module matches 'no_such_proj'"),
+        (worker.save.remote, "OSError: [Errno 28] No space left on device: '/runs/r/steps/step_000001'"),
+        (worker.train.remote, "NonFiniteTrainingError: non-finite loss nan at global batch 0"),
+        (lambda: Broken.remote().ping.remote(), "ValueError: lora dim 1000000000 is too large"),
+    ]
+    for call, want in cases:
+        capsys.readouterr()
+        assert run_flow(lambda: ray.get(call()), layout) == EXIT_FAILED
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("nrl: run r1 failed: ") and last.endswith(want), last
+        assert "RayTaskError" not in last and "pid=" not in last, last
