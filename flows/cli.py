@@ -289,6 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error("a command is required: grpo, dpo, resume, eval or runs (see `nrl --help`)")
     if tokens and tokens[0] in _OVERRIDE_COMMANDS and {"-h", "--help"} & set(tokens):
         app[tokens[0]].help_epilogue = _config_sections()  # imported only for this help
+    else:
+        from nrl_tasks.settings import settings_problems
+
+        if problems := settings_problems():  # NRL_* variables: before anything starts, naming each
+            return _error("; ".join(problems))
     try:
         rc = app(tokens, exit_on_error=False, print_error=False)
     except CycloptsError as exc:

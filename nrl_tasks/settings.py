@@ -30,6 +30,7 @@ __all__ = [
     "NrlSettings",
     "WorkerEnv",
     "nrl_settings",
+    "settings_problems",
 ]
 
 #: Where built-in models are prepared when ``NRL_MODEL_CACHE`` is unset (``~`` expanded on use).
@@ -121,6 +122,33 @@ def nrl_settings() -> NrlSettings:
     object is cached per set of values: constructing one costs ~1 ms and some knobs are read on
     hot paths (the refit buffer pool)."""
     return _settings_for(tuple(os.environ.get(name) for name in _NAMES))
+
+
+def settings_problems() -> list[str]:
+    """One line per ``NRL_*`` variable (of :class:`NrlSettings` and the storage layer's
+    :class:`storage.settings.StorageSettings`) whose value does not validate, naming the variable
+    and its value; empty when all do. The CLI checks this first, before anything starts, so
+    ``NRL_LEASE_TTL_S=abc`` is a usage error rather than a failure after Prefect started.
+
+    >>> settings_problems()
+    []
+    """
+    from pydantic import ValidationError
+
+    def storage_settings() -> object:  # importing ``storage`` reads its settings already
+        from storage.settings import StorageSettings
+
+        return StorageSettings()
+
+    out: list[str] = []
+    for build in (NrlSettings, storage_settings):
+        try:
+            build()
+        except ValidationError as exc:
+            for err in exc.errors():
+                name = ".".join(str(p) for p in err["loc"])
+                out.append(f"environment variable {name}={os.environ.get(name)!r}: {err['msg']}")
+    return out
 
 
 class WorkerEnv(BaseSettings):

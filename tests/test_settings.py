@@ -83,3 +83,28 @@ def test_every_variable_is_documented():
     for cls in (NrlSettings, StorageSettings, WorkerEnv):
         for field in cls.model_fields.values():
             assert f"`{field.validation_alias}`" in table, field.validation_alias
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("NRL_LEASE_TTL_S", "abc"), ("NRL_PROBE_TIMEOUT_S", "-1"), ("NRL_STORAGE_RETRY_ATTEMPTS", "0")]
+)
+def test_nrl_refuses_a_bad_setting_first_naming_the_variable(tmp_path, name, value):
+    """``NRL_LEASE_TTL_S=abc`` (or a storage knob out of range) is a usage error, exit 2, naming the
+    variable and its value, before any run directory, Prefect or Ray exists (was: a failure after
+    Prefect started, not naming the variable) (issue 27, item 6c)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, name: value, "PYTHONPATH": str(repo)}
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "grpo", "--config", "configs/grpo_tiny.yaml", "--storage", str(tmp_path / "runs")],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"nrl: error: environment variable {name}={value!r}: "), proc.stderr
+    assert not (tmp_path / "runs").exists() and time.monotonic() - t < 60
