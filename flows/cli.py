@@ -118,8 +118,7 @@ def _start(kind: str, config: str, overrides: list[str], storage: str | None, ru
         layout = RunLayout(cfg.storage.root, run_id)
         if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
             raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")
-        if kind == "grpo":
-            preflight(cfg)
+        preflight(cfg)  # GRPO's prompt files or DPO's preference pairs, plug-ins, model, Ray size
     except ValueError as exc:
         return _error(str(exc))
     print(f"nrl: {'dpo run' if kind == 'dpo' else 'run'} {run_id} -> {layout.run_uri}", flush=True)
@@ -167,8 +166,7 @@ def resume(
         opts = cfg.storage.storage_options or None
         # the flow's own resume entry, as a dry run: refused items and damaged batches, the plan
         start = plan_start(cfg, layout, algorithm="dpo" if cfg.dpo is not None else "grpo", resume=True, recompute=recompute)
-        if cfg.dpo is None:
-            preflight(cfg)
+        preflight(cfg, layout)
     except ValueError as exc:
         return _error(str(exc))
     from flows.run.lease import resume_refusal

@@ -18,7 +18,10 @@ check out (else the initial weights). The policy is created fresh, restored from
 steps ``anchor+1 .. T`` are replayed from their persisted ``pairs`` and ``reference``, each checked
 against its recorded weights checksum; the run then goes on at ``T + 1`` (stages whose outputs
 are committed skip). DPO draws nothing at random, so the resumed run's weights equal the
-uninterrupted run's bit for bit.
+uninterrupted run's bit for bit. Damaged datasets the resume reads are found before it starts
+(:func:`flows.run.start.plan_start`): the frozen pairs and a step's ``pairs`` and ``reference``
+are deleted and made again (the same bytes; a replayed step makes its own before its ``train``),
+a damaged ``train`` stops the resume with the file named.
 
 Left out (a GRPO run has them): in-run recovery from actor faults (an actor fault fails the
 run; resume continues it), retention, validation.
@@ -83,11 +86,25 @@ def restore_dpo_run(run: RunContext, facts: RunFacts | None, log: Any) -> dict[s
         restore_checkpoint(run.policy, layout.checkpoint_uri(anchor), opts, verify=False)
     replayed = list(range(anchor + 1, last + 1))
     for step in replayed:
+        _make_inputs(run, step)
         replay_dpo_train(run, step)
     restored = layout.checkpoint_uri(anchor) if anchor else "initial"
     if last:
         log.info("resumed at trained step %d: restored %s, replayed %s", last, restored, replayed or "nothing")
     return {"last": last, "restored_from": restored, "replayed": replayed}
+
+
+def _make_inputs(run: RunContext, step: int) -> None:
+    """Make trained step ``step``'s ``pairs`` and ``reference`` again when they are not committed
+    (deleted as damaged by the resume entry): its stages, which skip what is committed."""
+    import storage
+
+    from nrl_tasks.stages.dpo import preference_pairs, reference_logprobs
+
+    if all(storage.is_committed(run.layout.stage_uri(step, d), **run.storage_kw) for d in ("pairs", "reference")):
+        return
+    c = quote(run.step(step))
+    reference_logprobs(c, preference_pairs(c))
 
 
 def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]:
@@ -141,6 +158,7 @@ def dpo(
     weights came from and the steps replayed)."""
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.preferences import snapshot_preferences
+    from storage import delete_batch  # (``storage`` is this flow's parameter)
 
     log = get_run_logger()
     cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None, algorithm="dpo")
@@ -150,6 +168,9 @@ def dpo(
     intent = RunIntent(resume=resume, take_over=take_over)
     with run_session(cfg, run_id, algorithm="dpo", intent=intent, log=log) as session:
         layout, opts = session.layout, session.storage_options
+        for uri in session.start.rebuild:  # damaged, made again below and by the steps (the same bytes)
+            delete_batch(uri, **({"storage_options": opts} if opts else {}))
+            log.warning("deleted damaged %s: it is made again", uri)
         pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
         with session.running(max_steps=cfg.dpo.max_num_steps):
             log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri,

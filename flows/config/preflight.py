@@ -10,8 +10,12 @@ would make the same ``--run-id`` refused).
   ``NRL_PLUGIN_IMPORT_TIMEOUT_S``, so one that exits, hangs or raises anything at import is a
   ``ValueError`` naming the key and the module (:mod:`nrl_tasks.utils.import_path`);
 - the stage plug-ins of ``NRL_PLUGINS`` load (imported the same way);
-- the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist and
-  parse, with the configured keys;
+- ``policy.model_name`` / ``policy.tokenizer.name``: a built-in name is known, a local path is a
+  folder (:func:`check_model_path`);
+- GRPO: the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist
+  and parse, with the configured keys; DPO (a ``dpo`` section): the preference pairs a run would
+  train on (:func:`check_preferences`): the run's frozen snapshot when it has one (a resume), else
+  ``data.train_path``, every row's ``prompt``, ``chosen`` and ``rejected`` a non-empty string;
 - a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
   :func:`flows.run.ray_session.check_local_ray_size`.
 
@@ -21,8 +25,9 @@ The flow checks the same things again where it uses them (a deployment run skips
 from __future__ import annotations
 
 from flows.config import MasterConfig
+from nrl_tasks.run_layout import RunLayout
 
-__all__ = ["check_environment", "check_plugins", "check_reward_fn", "preflight"]
+__all__ = ["check_environment", "check_model_path", "check_plugins", "check_preferences", "check_prompt_files", "check_reward_fn", "preflight"]
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
@@ -67,14 +72,63 @@ def check_plugins(cfg: MasterConfig) -> None:
     check_environment(cfg)
 
 
-def preflight(cfg: MasterConfig) -> None:
-    """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything."""
+def check_model_path(cfg: MasterConfig) -> None:
+    """``ValueError`` naming ``policy.model_name`` (or ``policy.tokenizer.name``) when it is an
+    unknown ``builtin:`` name or a local path (absolute, ``./``, ``~``) that is not a folder; a hub
+    id (``org/name``) is left to the loader."""
+    import os
+
+    from nrl_tasks.models.builtin import is_builtin, is_known_builtin
+
+    for key, name in (("policy.model_name", cfg.policy.model_name), ("policy.tokenizer.name", cfg.policy.tokenizer.name)):
+        if not name:
+            continue
+        if is_builtin(name):
+            if not is_known_builtin(name):
+                raise ValueError(f"{key}: unknown built-in model {name!r} (use builtin:tiny, builtin:tiny-seed<N> or builtin:smollm2)")
+        elif name.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(name)):
+            raise ValueError(f"{key}: {name!r} is not a model folder (no such directory)")
+
+
+def check_preferences(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
+    """``ValueError`` naming the file, line and field of the first bad row of the preference pairs
+    a DPO run would train on. With ``layout`` (a resume) a run that froze its pairs already is
+    left alone: it reads its snapshot, not the source file (the resume entry checks the snapshot,
+    :func:`flows.run.start.plan_start`)."""
+    import storage
+
+    from nrl_tasks.stages.preferences import snapshot_uri, source_preferences
+
+    opts = cfg.storage.storage_options or None
+    if layout is not None and storage.is_committed(snapshot_uri(layout), **({"storage_options": opts} if opts else {})):
+        return
+    try:
+        source_preferences(cfg, opts)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{'data.train_path' if cfg.data.dataset == 'file' else 'data.arithmetic'}: {exc}") from None
+
+
+def preflight(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
+    """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything
+    (``layout``: the run a resume continues)."""
     from flows.run.plugins import load_observers
     from flows.run.ray_session import check_local_ray_size
-    from nrl_tasks.stages.data import load_prompt_records
 
+    check_model_path(cfg)
     check_plugins(cfg)
     load_observers(isolate=True)
+    if cfg.dpo is not None:
+        check_preferences(cfg, layout)
+    else:
+        check_prompt_files(cfg)
+    check_local_ray_size(cfg)
+
+
+def check_prompt_files(cfg: MasterConfig) -> None:
+    """``ValueError`` naming ``data.train_path`` / ``data.val_path`` (GRPO's prompt files) when one
+    does not read, or the train split is empty."""
+    from nrl_tasks.stages.data import load_prompt_records
+
     opts = cfg.storage.storage_options or None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])
     for split in splits:
@@ -85,4 +139,3 @@ def preflight(cfg: MasterConfig) -> None:
             raise ValueError(f"{key}: {exc}") from None
         if split == "train" and not records:
             raise ValueError(f"data: the train split has no prompts ({cfg.data.train_path or 'arithmetic'})")
-    check_local_ray_size(cfg)

@@ -20,6 +20,13 @@ by a resume and are not checked.
 - refused: ``train@STEP`` of a trained step (the weights after it are part of the run) and any
   stage of a step at or before the anchor (a resume never reads those batches, and the weights
   that produced them are not restored).
+
+**DPO** (:func:`dpo_repairs`) has no ``--recompute``: its ``pairs`` (drawn from the run's frozen
+pairs) and ``reference`` (the initial weights' logprobs) are the same bytes whenever they are
+made, so a damaged one a resume reads is deleted and made again by the resume (a replayed step's
+``train`` must still reproduce its recorded checksum); so are the frozen pairs themselves when
+their source still holds them (:func:`nrl_tasks.stages.preferences.snapshot_repair`). A damaged
+``train`` of a trained step stops the resume, as for GRPO.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
     "DamagedRunError",
     "apply_recompute",
     "check_resume_data",
+    "dpo_repairs",
     "find_damaged",
     "parse_recompute",
     "check_recompute_config",
@@ -135,16 +143,18 @@ def find_damaged(
     *,
     skip: Iterable[tuple[int, str]] = (),
     window: tuple[int, int] | None = None,
+    datasets: tuple[str, ...] = DATA_STAGES,
 ) -> list[DamagedDataset]:
     """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``;
-    ``window``: the :func:`resume_window`, when the caller has it)."""
+    ``window``: the :func:`resume_window`, when the caller has it; ``datasets``: a step's datasets,
+    GRPO's by default)."""
     import storage
 
     anchor, last = window or resume_window(layout, storage_options)
     skip = set(skip)
     out = []
     for step in range(anchor + 1, last + 2):
-        for ds in DATA_STAGES:
+        for ds in datasets:
             if (step, ds) in skip or (ds == "train" and step > last):
                 continue
             uri = layout.stage_uri(step, ds)
@@ -193,6 +203,23 @@ def check_resume_data(
     damaged = find_damaged(layout, storage_options, skip=skip, window=window)
     if damaged:
         raise DamagedRunError(damage_message(layout, damaged))
+
+
+def dpo_repairs(
+    cfg: MasterConfig, layout: RunLayout, storage_options: dict[str, Any] | None = None, *, window: tuple[int, int]
+) -> tuple[str, ...]:
+    """The damaged datasets a DPO resume reads that it deletes and makes again (see the module
+    docstring; ``window``: :func:`resume_window`): the frozen pairs, then each step's ``pairs`` and
+    ``reference``. :class:`DamagedRunError` naming the file when one cannot be made again."""
+    from nrl_tasks.stages.dpo import DPO_DATASETS
+    from nrl_tasks.stages.preferences import snapshot_repair
+
+    snapshot = snapshot_repair(layout, cfg, storage_options)
+    damaged = find_damaged(layout, storage_options, window=window, datasets=DPO_DATASETS)
+    lost = [d for d in damaged if d.dataset == "train"]
+    if lost:
+        raise DamagedRunError(damage_message(layout, lost))
+    return (*([snapshot] if snapshot else []), *(d.uri for d in damaged))
 
 
 def plan_recompute(

@@ -11,7 +11,8 @@ For a run that is continued (``resume``; an SFT warm start whose run exists) it:
    length against the steps already trained (:func:`check_not_rewound`: a run is never rewound);
 2. checks the ``--recompute`` items: GRPO only, allowed by the config (dynamic sampling) and by
    the run's resume window (:mod:`flows.run.recompute`), and lists the datasets they delete;
-3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed;
+3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed; DPO: lists
+   the damaged ones it makes again (:attr:`StartPlan.rebuild`, :func:`flows.run.recompute.dpo_repairs`);
 4. reads the run's facts (:func:`~nrl_tasks.stages.resume_plan.read_run_facts`: trained prefix,
    checkpoints, the anchor) and plans the resume for actors that start fresh
    (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig
-from flows.run.recompute import check_recompute_config, check_resume_data, parse_recompute, plan_recompute
+from flows.run.recompute import check_recompute_config, check_resume_data, dpo_repairs, parse_recompute, plan_recompute
 from flows.run.state import check_config_hash, trained_prefix
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.graph import STEP_INPUTS
@@ -51,6 +52,8 @@ class StartPlan:
     facts: RunFacts | None = None
     #: recovery with fresh actors (``None``: a new run, or an SFT, which restarts from its first step)
     plan: ResumePlan | None = None
+    #: damaged datasets the flow deletes before it starts and makes again, the same bytes (DPO)
+    rebuild: tuple[str, ...] = ()
 
     def refit_generation(self, *, workers_attached: bool) -> bool:
         """Whether the generation workers get a full refit before the first step, whatever
@@ -65,6 +68,8 @@ class StartPlan:
         parts = []
         if self.deletes:
             parts.append("recompute " + ", ".join(f"step {s} {d}" for s, d in self.deletes))
+        if self.rebuild:
+            parts.append("make again the damaged " + ", ".join(self.rebuild))
         if self.facts is not None:
             parts.append(f"trained steps: {self.facts.last_trained}")
         if self.plan is not None and self.plan.touches_actors:
@@ -98,7 +103,8 @@ def plan_start(
     if specs and not resume:
         raise ValueError("recompute needs resume=True")
     if specs and algorithm != "grpo":
-        raise ValueError(f"--recompute is for GRPO runs; a {algorithm.upper()} run recomputes what is not committed by itself")
+        raise ValueError(f"--recompute is for GRPO runs; a {algorithm.upper()} run recomputes what is not committed, "
+                         "and a DPO run its damaged pairs and reference, by itself (nrl resume RUN)")
     if not resume:
         return StartPlan(layout.run_id, algorithm, False)
     opts = cfg.storage.storage_options or None
@@ -115,8 +121,11 @@ def plan_start(
     # damaged-data check, which reports a damaged one plainly)
     window = read_run_facts(layout, opts, verify_checkpoints=True, read_checksums=False, **facts_kw)
     deletes = tuple(plan_recompute(layout, specs, opts, window=(window.anchor, window.last_trained)))
+    rebuild: tuple[str, ...] = ()
     if algorithm == "grpo":  # damaged batches a resume would read: one clear error
         check_resume_data(layout, opts, skip=deletes, window=(window.anchor, window.last_trained))
+    else:  # DPO makes its damaged inputs again (the same bytes), or names what it cannot
+        rebuild = dpo_repairs(cfg, layout, opts, window=(window.anchor, window.last_trained))
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
     plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan)
+    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan, rebuild=rebuild)

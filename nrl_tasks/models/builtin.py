@@ -23,7 +23,7 @@ import threading
 
 from nrl_tasks.settings import nrl_settings
 
-__all__ = ["cache_dir", "is_builtin", "resolve_model_path"]
+__all__ = ["cache_dir", "is_builtin", "is_known_builtin", "resolve_model_path"]
 
 _LOCK = threading.Lock()
 _TINY = re.compile(r"^builtin:tiny(?:-seed(\d+))?$")
@@ -35,6 +35,15 @@ def cache_dir() -> str:
 
 def is_builtin(name: str | None) -> bool:
     return isinstance(name, str) and name.startswith("builtin:")
+
+
+def is_known_builtin(name: str) -> bool:
+    """Whether ``name`` is one of the built-in names above (checked before anything is built).
+
+    >>> is_known_builtin("builtin:tiny-seed3"), is_known_builtin("builtin:huge")
+    (True, False)
+    """
+    return bool(_TINY.match(name)) or name == "builtin:smollm2"
 
 
 def resolve_model_path(name: str) -> str:

@@ -8,8 +8,10 @@ arithmetic``: the built-in task's train prompts, chosen ``" <right answer>"``, r
 appended to the formatted prompt as they are (a file that wants a space says so).
 
 **Snapshot.** The first run of a DPO run freezes its pairs at ``<run>/data/preferences`` (an Arrow
-dataset); every later step and every resume reads that copy, so editing the source file never
-changes a run.
+dataset, its manifest recording ``records_sha256``: :func:`records_digest`); every later step and
+every resume reads that copy, so editing the source file never changes a run. A damaged copy is
+rebuilt by a resume from its source when the source still holds the same pairs (the digest
+matches; :func:`snapshot_repair`).
 
 **Pair batch** (rows interleaved: ``2i`` chosen, ``2i + 1`` rejected, same prompt):
 ``input_ids [2P, S]``, ``input_lengths [2P]``, ``token_mask [2P, S]`` (1 on response tokens and
@@ -33,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
     from nrl_tasks.run_layout import RunLayout
 
-__all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "snapshot_preferences"]
+__all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "records_digest", "snapshot_preferences", "snapshot_repair", "snapshot_uri",
+           "source_preferences"]
 
 FIELDS = ("chosen", "rejected")
 
@@ -70,25 +73,82 @@ def builtin_preferences(data_cfg: DataConfig, seed: int) -> list[dict[str, str]]
     return out
 
 
+def records_digest(records: list[dict[str, str]]) -> str:
+    """sha256 of the pairs ``records`` (their text, in order): what a snapshot's manifest records."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(records, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def source_preferences(cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """The pairs of the run's configured source (``data.train_path`` or the built-in task)."""
+    if cfg.data.dataset == "file":
+        return load_preference_file(cfg.data.train_path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
+    return builtin_preferences(cfg.data, cfg.dpo.seed)
+
+
+def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Check run ``layout.run_id``'s frozen pairs fully (sizes, checksums); ``None`` when they are
+    sound or not frozen yet, their URI when they are damaged and the source still holds the same
+    pairs (a resume deletes them and freezes them again: the same pairs), ``DamagedRunError``
+    naming the file and the way on when they cannot be rebuilt."""
+    import storage
+
+    from nrl_tasks.stages.errors import DamagedRunError
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    uri = snapshot_uri(layout)
+    if not storage.is_committed(uri, **kw):
+        return None
+    try:
+        storage.load_batch(uri, verify=True, mmap=False, **kw)
+        return None
+    except (ValueError, OSError) as exc:
+        damage = f"{type(exc).__name__}: {exc}"
+    try:
+        recorded = storage.read_manifest(uri, **kw).meta.get("records_sha256")
+    except (ValueError, OSError):
+        recorded = None
+    source = cfg.data.train_path if cfg.data.dataset == "file" else "the built-in arithmetic pairs"
+    try:
+        same = recorded is not None and records_digest(source_preferences(cfg, storage_options)) == recorded
+    except (ValueError, OSError) as exc:
+        raise DamagedRunError(
+            f"run {layout.run_id!r} cannot resume: its frozen preference pairs {uri} are damaged ({damage}) and their "
+            f"source data.train_path {source!r} does not read ({exc}); restore {uri} from a copy or start a new run"
+        ) from None
+    if same:
+        return uri
+    raise DamagedRunError(
+        f"run {layout.run_id!r} cannot resume: its frozen preference pairs {uri} are damaged ({damage}) and "
+        + (f"their source {source!r} no longer holds the pairs the run froze (records_sha256 {recorded})"
+           if recorded else "their manifest records no digest to check a rebuild from the source against")
+        + f"; restore {uri} from a copy or start a new run"
+    )
+
+
+def snapshot_uri(layout: RunLayout) -> str:
+    """Where run ``layout.run_id`` keeps its frozen pairs: ``<run>/data/preferences``."""
+    from nrl_tasks.run_layout import join_uri
+
+    return join_uri(layout.run_uri, "data", "preferences")
+
+
 def snapshot_preferences(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """The run's frozen pairs at ``<run>/data/preferences``: read back when committed, else loaded
     from the configured source and saved."""
     import storage
 
-    from nrl_tasks.run_layout import join_uri
-
     kw = {"storage_options": storage_options} if storage_options else {}
-    uri = join_uri(layout.run_uri, "data", "preferences")
+    uri = snapshot_uri(layout)
     keys = ("prompt", *FIELDS)
     if storage.is_committed(uri, **kw):
         b = storage.load_batch(uri, **kw)
         return [dict(zip(keys, vals)) for vals in zip(*(b[k] for k in keys))]
-    if cfg.data.dataset == "file":
-        recs = load_preference_file(cfg.data.train_path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
-    else:
-        recs = builtin_preferences(cfg.data, cfg.dpo.seed)
+    recs = source_preferences(cfg, storage_options)
     storage.save_batch(BatchedDataDict({k: [r[k] for r in recs] for k in keys}), uri, **kw,
-                       run_id=layout.run_id, stage="data-preferences", step=0)
+                       run_id=layout.run_id, stage="data-preferences", step=0, records_sha256=records_digest(recs))
     return recs
 
 

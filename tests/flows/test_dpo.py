@@ -201,3 +201,124 @@ def test_sigterm_exits_143_interrupted_then_resumes_bit_identically(dpo_run, tmp
         assert json.load(fh)["status"] == "completed"
     ref = dpo_run["root"]
     assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
+
+
+_BAD_PREFERENCE_FILES = {
+    # name: (file text or None for no file, override, the words the error must hold)
+    "missing-field": ('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "chosen": " 4"}\n',
+                      None, ["data.train_path", "p.jsonl", "line 2", "missing field 'rejected'"]),
+    "not-a-string": ('{"prompt": "1+1=", "chosen": 2, "rejected": " 3"}\n', None,
+                     ["data.train_path", "p.jsonl", "line 1", "field 'chosen' must be a non-empty string"]),
+    "empty-prompt": ('{"prompt": " ", "chosen": " 2", "rejected": " 3"}\n', None,
+                     ["p.jsonl", "line 1", "field 'prompt' must be a non-empty string"]),
+    "bad-json": ('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": \n', None, ["p.jsonl", "line 2", "invalid JSON"]),
+    "no-file": (None, None, ["data.train_path", "p.jsonl"]),
+    "no-model": ('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n', "policy.model_name=/no/such/model",
+                 ["policy.model_name", "/no/such/model"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_PREFERENCE_FILES))
+def test_nrl_dpo_preflight_refuses_a_bad_preference_file_before_anything_starts(case, tmp_path, capsys, monkeypatch):
+    """``nrl dpo`` checks the preference pairs and the model before the Prefect server, Ray or the
+    run directory (issue 27, item 4): exit 2 naming the key, file, line and field; nothing written,
+    so the same ``--run-id`` starts once the file is fixed."""
+    import flows.cli_run
+    from flows.cli import main
+
+    text, override, words = _BAD_PREFERENCE_FILES[case]
+    pairs = tmp_path / "p.jsonl"
+    if text is not None:
+        pairs.write_text(text)
+    started = []
+    monkeypatch.setattr(flows.cli_run, "run_flow", lambda *a, **k: started.append(a) or 0)
+    monkeypatch.setattr("flows.cli.run_flow", lambda *a, **k: started.append(a) or 0)
+    root = tmp_path / "runs"
+    args = ["dpo", "--config", os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--storage", str(root), "--run-id", "d1",
+            "data.dataset=file", f"data.train_path={pairs}", *([override] if override else [])]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("nrl: error:") == 1, err
+    assert all(w in err for w in words), err
+    assert started == [] and not (root / "d1").exists()
+
+
+def _flip_byte(path: str, offset: int = 300) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x55]))
+
+
+def _shard(dataset_dir: str) -> str:
+    return os.path.join(dataset_dir, next(f for f in sorted(os.listdir(dataset_dir)) if f.endswith(".arrow")))
+
+
+@pytest.mark.slow  # a whole-flow resume (the module's reference run is shared with the fast tests)
+def test_damaged_dpo_data_is_found_before_start_and_made_again_on_resume(dpo_run, tmp_path, capsys):
+    """Issue 27, item 4: the run is a copy of the reference run as a kill while checkpointing step 8
+    leaves it (steps 1-8 but step 8's train, checkpoint 6 the newest): a resume restores
+    checkpoint 6, replays step 7 and trains step 8.
+
+    - step 7's ``train`` damaged: ``nrl resume`` stops before anything starts (exit 2) naming the
+      shard, and says it cannot be recomputed;
+    - step 7's ``pairs`` (replayed), step 8's ``reference`` (not trained yet) and the frozen
+      preference pairs damaged: ``nrl resume`` names them in its plan, makes them again (the same
+      bytes) and finishes on the reference run's weights at every step."""
+    import shutil
+
+    import storage
+    from flows.cli import main
+
+    base, root, run_id = dpo_run["root"], str(tmp_path / "runs"), "dpo-damaged"
+    run = os.path.join(root, run_id)
+    shutil.copytree(os.path.join(base, RUN_ID), run)
+    shutil.rmtree(os.path.join(run, "checkpoints", "step_000008"))
+    storage.delete_batch(os.path.join(run, "steps", "step_000008", "train"))
+    step = lambda s, d: os.path.join(run, "steps", f"step_{s:06d}", d)  # noqa: E731
+
+    train7 = _shard(step(7, "train"))
+    _flip_byte(train7, 100)
+    assert main(["resume", run_id, "--storage", root]) == 2
+    err = capsys.readouterr().err
+    assert train7 in err and "cannot be recomputed" in err, err
+    shutil.copyfile(_shard(os.path.join(base, RUN_ID, "steps", "step_000007", "train")), train7)
+
+    damaged = [_shard(step(7, "pairs")), _shard(step(8, "reference")), _shard(os.path.join(run, "data", "preferences"))]
+    for shard in damaged:
+        _flip_byte(shard)
+    try:
+        assert main(["resume", run_id, "--storage", root]) == 0, capsys.readouterr().err[-3000:]
+    finally:
+        kill_run_actors(run_id)
+    out = capsys.readouterr().out
+    assert "make again the damaged" in out and all(os.path.dirname(s) in out for s in damaged), out[-3000:]
+    assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(base, RUN_ID, s) for s in STEPS]
+    for shard in damaged:  # made again: the same data as the reference run's
+        rel = os.path.relpath(os.path.dirname(shard), run)
+        mine, ref = storage.load_batch(os.path.dirname(shard)), storage.load_batch(os.path.join(base, RUN_ID, rel))
+        assert all(torch.equal(mine[k], ref[k]) if torch.is_tensor(ref[k]) else list(mine[k]) == list(ref[k]) for k in ref), rel
+
+
+def test_nrl_resume_of_a_dpo_run_runs_its_preflight(tmp_path, capsys, monkeypatch):
+    """A DPO run stopped before it froze its pairs reads its preference file again when resumed:
+    ``nrl resume`` checks it first (issue 27, item 4), exit 2 naming the file, line and field,
+    and starts nothing."""
+    from flows.cli import main
+    from flows.config.resolve import resolve_config
+    from flows.run.state import init_run
+    from nrl_tasks.run_layout import RunLayout
+
+    pairs, root = tmp_path / "p.jsonl", str(tmp_path / "runs")
+    pairs.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n')
+    cfg = resolve_config(os.path.join(REPO, "configs", "dpo_tiny.yaml"), ["data.dataset=file", f"data.train_path={pairs}"],
+                         root, algorithm="dpo")
+    init_run(RunLayout(root, "d2"), cfg, resume=False)  # config.yaml written, nothing else (killed then)
+    pairs.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "rejected": " 5"}\n')
+    started = []
+    monkeypatch.setattr("flows.cli.run_flow", lambda *a, **k: started.append(a) or 0)
+    assert main(["resume", "d2", "--storage", root]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in ("data.train_path", str(pairs), "line 2", "missing field 'chosen'")), err
+    assert started == [] and sorted(os.listdir(os.path.join(root, "d2"))) == ["config.yaml"]
