@@ -257,3 +257,55 @@ def test_sigterm_stops_the_run_cleanly_with_the_resume_hint(own_ray_config, pref
         for r in (run, resumed):
             if r is not None:
                 r.close()
+
+
+@pytest.fixture
+def own_ray_dpo_config(tmp_path, tiny_model_dir) -> tuple[str, str]:
+    """``(config path, storage root)``: 2 steps of ``configs/dpo_tiny.yaml`` on the tiny model, no
+    Ray address (a local Ray per flow), no checkpoints."""
+    root = str(tmp_path / "runs")
+    with open(os.path.join(REPO, "configs", "dpo_tiny.yaml"), encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    cfg["dpo"]["max_num_steps"] = 2
+    cfg["policy"]["model_name"] = tiny_model_dir
+    cfg["storage"]["root"] = root
+    cfg["checkpointing"]["enabled"] = False
+    cfg.setdefault("cluster", {}).setdefault("ray", {})["address"] = None
+    cfg.setdefault("logger", {})["console"] = False
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), root
+
+
+@pytest.mark.slow
+def test_sigkilled_dpo_flow_leftovers_are_stopped_by_resume(own_ray_dpo_config):
+    """DPO as GRPO (issue 27, item 4): a SIGKILLed ``nrl dpo`` without ``PREFECT_API_URL`` orphans
+    its ephemeral Prefect API server and what is left of its local Ray; ``nrl runs`` shows it
+    crashed (not ``running?``), and ``nrl resume`` stops them and completes: no process the two
+    commands started is left."""
+    from flows.run.state import list_runs
+
+    cfg, root = own_ray_dpo_config
+    first = Nrl(["dpo", "--config", cfg, "--run-id", "dpo-killed"], None, NRL_FAULT_KILL_AT="dpo_train@1:after")
+    second = None
+    try:
+        assert first.returncode == -9, first.output[-3000:]
+        status = _status(root, "dpo-killed")
+        pid = status["flow_process"]["pid"]
+        crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
+        assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
+        server = status["prefect_server"]
+        assert len(server) == 1 and psutil.pid_exists(server[0]["pid"]), status  # orphaned, still up
+        session1 = status["local_ray"]["session_dir"]
+        second = Nrl(["resume", "dpo-killed", "--storage", root], None)
+        out = second.output
+        assert second.returncode == 0, out[-3000:]
+        assert f"ephemeral Prefect API server: prefect-server({server[0]['pid']})" in out, out[-3000:]
+        status = _status(root, "dpo-killed")
+        assert status["status"] == "completed" and status["last_step"] == 2, status
+        assert _left(first.tracked, session1) == []
+        assert _left(second.tracked, status["local_ray"]["session_dir"]) == []
+    finally:
+        for run in (first, second):
+            if run is not None:
+                run.close()
