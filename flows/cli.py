@@ -4,7 +4,7 @@
 
     nrl grpo --config configs/grpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl dpo --config configs/dpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
-    nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [key=value ...]
+    nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
     nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K] [--max-prompts N]
     nrl runs [--storage URI]
 
@@ -137,6 +137,7 @@ def resume(
     storage: str = "./runs",
     recompute: Annotated[list[str] | None, Parameter(negative="")] = None,
     take_over: Flag = False,
+    fresh_optimizer: Flag = False,
 ) -> int:
     """Resume a run (GRPO or DPO) from its persisted batches.
 
@@ -150,6 +151,9 @@ def resume(
             flows/run/recompute.py)
         take_over: take the run's lease from a holder that looks live but is gone (its machine died) before
             the lease expires
+        fresh_optimizer: train on from a checkpoint saved without optimizer state
+            (checkpointing.save_optimizer=false) with a fresh optimizer; refused without it (the steps
+            would differ from an uninterrupted run); recorded as optimizer_reset in status.json
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
@@ -165,7 +169,8 @@ def resume(
         layout = RunLayout(cfg.storage.root, run_id)
         opts = cfg.storage.storage_options or None
         # the flow's own resume entry, as a dry run: refused items and damaged batches, the plan
-        start = plan_start(cfg, layout, algorithm="dpo" if cfg.dpo is not None else "grpo", resume=True, recompute=recompute)
+        start = plan_start(cfg, layout, algorithm="dpo" if cfg.dpo is not None else "grpo", resume=True, recompute=recompute,
+                           fresh_optimizer=fresh_optimizer)
         preflight(cfg, layout)
     except ValueError as exc:
         return _error(str(exc))
@@ -187,7 +192,7 @@ def resume(
         return run_flow(lambda: dpo_flow(**kwargs), layout)
     from flows.algorithms.grpo import grpo as grpo_flow
 
-    return run_flow(lambda: grpo_flow(**kwargs, recompute=recompute or None), layout)
+    return run_flow(lambda: grpo_flow(**kwargs, recompute=recompute or None, fresh_optimizer=fresh_optimizer), layout)
 
 
 @app.command(name="eval", sort_key=3)

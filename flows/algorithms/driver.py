@@ -161,6 +161,8 @@ class StepDriver:
     def _finish(self, ctx: StepContext, refs: StepRefs, plan: StepPlan, t0: float) -> None:
         """The step's metrics line, artifacts and retention, once."""
         wall = time.perf_counter() - t0
+        if self.fence is not None:  # a fenced writer writes no metrics line either
+            self.fence()
         extra = {"trajectory_age": self.schedule.trajectory_age(refs.step)} if self.schedule.lookahead else None
         self.publish(ctx, refs, plan, wall_seconds=wall, extra=extra)
         if self.after_step is not None:

@@ -106,11 +106,13 @@ def step_plan(cfg: MasterConfig, step: int, *, chash: str, write_line: bool = Tr
 
 
 def run_grpo_steps(
-    run: RunContext, *, chash: str, refit_generation: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None
+    run: RunContext, *, chash: str, refit_generation: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None,
+    optimizer_reset: bool = False,
 ) -> dict[str, Any]:
     """Recover, then run the steps of a run on its schedule (the body of the flow). ``fence()``
     runs before each step and raises when this flow may no longer write the run (its lease was
-    taken over).
+    taken over). ``optimizer_reset``: the restored checkpoint held no optimizer state
+    (``--fresh-optimizer``): the metrics line of the first step trained says ``optimizer_reset: true``.
 
     One driver (:class:`flows.algorithms.driver.StepDriver`) runs synchronous GRPO (the schedule
     with age 0: each step one subflow, :func:`flows.algorithms.step.grpo_step`, the unit a fault
@@ -143,6 +145,8 @@ def run_grpo_steps(
     def publish(ctx: Any, refs: Any, plan: StepPlan, **kw: Any) -> Any:
         if refs.flow_run_id:
             publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
+        if optimizer_reset and refs.step == last + 1:  # the first step trained with a fresh optimizer
+            kw["extra"] = {**(kw.get("extra") or {}), "optimizer_reset": True}
         return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, trackers=trackers, **kw)
 
     # async GRPO: a resume may need the checkpoint at or before version step - age (the steps
@@ -187,6 +191,7 @@ def grpo(
     storage: str | None = None,
     recompute: list[str] | None = None,
     take_over: bool = False,
+    fresh_optimizer: bool = False,
 ) -> dict[str, Any]:
     """Train with GRPO.
 
@@ -204,6 +209,8 @@ def grpo(
         storage: storage root holding the runs: a local path, file:// or s3://bucket/prefix.
         recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
         take_over: take the run's lease from a holder that looks live but is gone (its machine died).
+        fresh_optimizer: with resume, train on from a checkpoint saved without optimizer state
+            (checkpointing.save_optimizer=false; refused otherwise), recorded as optimizer_reset.
     """
     if resume and run_id:
         cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
@@ -215,7 +222,7 @@ def grpo(
         raise ValueError("recompute needs resume=True")
     check_plugins(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
     log = get_run_logger()
-    intent = RunIntent(resume=resume, take_over=take_over)
+    intent = RunIntent(resume=resume, take_over=take_over, fresh_optimizer=fresh_optimizer)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
         cfg, run_id, algorithm="grpo", intent=intent, recompute=recompute, log=log,
         configure=lambda c: ensure_warm_start(c, run_id, log),  # warm_start.sft_steps: SFT first (flows.algorithms.warm_start)
@@ -230,7 +237,7 @@ def grpo(
             info = run_grpo_steps(
                 session.context(), chash=session.config_hash, policy_fresh=not rt.policy_attached,
                 refit_generation=session.start.refit_generation(workers_attached=rt.generation_attached),  # flows.run.start
-                fence=session.fence,
+                fence=session.fence, optimizer_reset=session.start.optimizer_reset is not None,
             )
     rows = read_metrics(layout.metrics_uri, opts)
     from nrl_tasks.stages.checkpoint import list_checkpoints

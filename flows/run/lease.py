@@ -14,7 +14,8 @@ and S3 alike.
   flow takes the lease over without being asked. ``nrl resume RUN --take-over`` takes a live-looking
   lease (a holder on a machine that died, before its TTL has run out).
 - Heartbeats from a daemon thread; a holder whose lease was taken over is *fenced*: the flow
-  stops before its next step (``storage.lease.LeaseLostError``). Under the lease, the storage commit is
+  stops before its next commit or step (``storage.lease.LeaseLostError``: every stage commit, checkpoint
+  commit, metrics line and status write checks the lease first) and writes nothing more. Under the lease, the storage commit is
   create-only as well, so even a fenced writer cannot overwrite a committed dataset.
 - An unreadable lease file (empty or garbled: a power loss) is named, never taken for a dead
   holder: ``nrl resume`` refuses with the file and the way on (``--take-over``, which takes the
@@ -125,10 +126,16 @@ def resume_refusal(layout: RunLayout, storage_options: dict[str, Any] | None = N
 
 
 def lease_refusal(exc: BaseException) -> str | None:
-    """How to proceed when ``exc`` is (or wraps) a refused lease; ``None`` for any other error."""
-    from storage.lease import LeaseHeldError, LeaseUnreadableError
+    """How to proceed when ``exc`` is (or wraps) a refused lease, or a lease taken over while this
+    process held it (it must not resume the run); ``None`` for any other error."""
+    from storage.lease import LeaseHeldError, LeaseLostError, LeaseUnreadableError
 
     for e in exception_chain(exc):
+        if isinstance(e, LeaseLostError):
+            return (
+                "another process took the run over (nrl resume --take-over) and now writes it; this process "
+                "stopped and wrote nothing more: do not resume it from here"
+            )
         if isinstance(e, LeaseHeldError):
             return (
                 f"the run has another writer ({e.holder.describe()}); nothing was written. Wait for it to end; "

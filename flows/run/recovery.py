@@ -4,7 +4,8 @@
 do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, uncommit
 damaged checkpoints, restore the anchor checkpoint (or the initial weights), replay the ``train``
 of each later step from its persisted batches (recomputing its missing datasets first with the
-step's own lanes, :mod:`flows.algorithms.lanes`, the generation workers refitted to that step's weights), then refit the
+step's own lanes, :mod:`flows.algorithms.lanes`, the generation workers refitted to that step's weights;
+a discarded checkpoint is saved anew once its step is replayed), then refit the
 generation workers to the run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
 finds nothing to do) and after every actor fault.
 
@@ -124,9 +125,28 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
             raise
         log.info("replayed train of step %d from persisted batches (%.2fs)", s, time.perf_counter() - t)
         held = s
+        if s in plan.discard:  # the policy holds that step's weights again: write its checkpoint anew
+            _resave_checkpoint(run, s, log)
     if plan.refit:
         refit(quote(run.step(plan.target)), None, plan.target, force=True)
     return {"restored_from": restored, "replayed": list(plan.replay), "recomputed": dict(plan.recompute)}
+
+
+def _resave_checkpoint(run: RunContext, step: int, log: Any) -> None:
+    """Save the checkpoint of ``step`` again (it was discarded as damaged and its ``train`` was just
+    replayed, verified against the recorded weights checksum when there is one): otherwise only the
+    last trained step's checkpoint would ever be written anew, and an older damaged one stayed lost."""
+    import storage
+
+    from nrl_tasks.config.hash import config_hash
+    from nrl_tasks.stages.checkpoint import checkpoint_info, save_checkpoint
+
+    uri = run.layout.checkpoint_uri(step)
+    meta = storage.read_manifest(run.layout.stage_uri(step, "train"), **run.storage_kw).meta
+    info = checkpoint_info(run, step, step, config_hash(run.cfg), meta.get("weights_checksum"))
+    save_checkpoint(run.policy, uri, info, save_optimizer=run.cfg.checkpointing.save_optimizer,
+                    storage_options=run.storage_options, on_written=run.check_fence)
+    log.warning("re-saved checkpoint %s (discarded as damaged) from the replayed train of step %d", uri, step)
 
 
 def plan_generation_version(plan: ResumePlan, step: int) -> int:

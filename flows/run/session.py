@@ -27,6 +27,11 @@ Entering the session (:func:`run_session`):
 6. writes ``status.json`` ``running`` (this flow process, the algorithm, the step budget), and at the
    end ``completed``, ``interrupted`` (SIGINT, SIGTERM, even when Prefect re-raised them as another
    error) or ``failed`` with the error; a refusal before this point leaves the status untouched;
+   a flow whose lease was taken over (``--take-over``) writes no status (nor commits anything:
+   every commit checks the lease first, :attr:`~nrl_tasks.stages.context.RunContext.fence`), and
+   the new holder's ``completed`` clears ``error``; a start with a fresh optimizer
+   (``--fresh-optimizer``) adds ``optimizer_reset`` (the checkpoint and the first step trained with
+   it), which later flows keep;
 7. applies the config's storage retry policy (``storage.retry``) to everything inside;
 8. on success kills the run's actors; a local Ray this flow started is stopped however the run
    ends. ``NRL_KEEP_ACTORS=1`` keeps both.
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -52,7 +58,9 @@ from flows.run.crash_cleanup import mark_orphans_crashed
 from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
 from flows.run.plugins import load_observers
 from flows.run.lease import check_fence, hold_run_lease
-from flows.run.process import current_process, ephemeral_prefect_servers, reap_local_ray, reap_prefect_server, this_host
+from flows.run.process import (
+    current_process, ephemeral_prefect_servers, flow_process_alive, reap_local_ray, reap_prefect_server, this_host,
+)
 from flows.run.start import StartPlan, plan_start
 from flows.run.state import init_run, read_status, write_status
 from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
@@ -61,6 +69,7 @@ from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import exception_chain
 from storage import fs, retry_policy
+from storage.lease import LeaseLostError
 
 __all__ = ["RunIntent", "RunSession", "own_local_ray", "reading_session", "run_session"]
 
@@ -73,11 +82,14 @@ class RunIntent:
 
     ``resume``: continue an existing run (``nrl resume``, ``resume=True``); ``take_over``: take a
     live-looking lease (its holder's machine died); ``restartable``: a new run whose id may exist
-    already, which is then continued (the SFT warm start, started again by a resumed GRPO flow)."""
+    already, which is then continued (the SFT warm start, started again by a resumed GRPO flow);
+    ``fresh_optimizer``: train on from a checkpoint without optimizer state
+    (:func:`flows.run.start.check_optimizer_state`)."""
 
     resume: bool = False
     take_over: bool = False
     restartable: bool = False
+    fresh_optimizer: bool = False
 
 
 def _flow_run_id() -> str | None:
@@ -125,12 +137,25 @@ class RunSession:
         """Raise ``storage.lease.LeaseLostError`` once the lease was taken over (call between steps)."""
         check_fence(self.lease)
 
+    def _fenced(self, exc: BaseException) -> bool:
+        """Whether ``exc`` ended the run because its lease was taken over (or the lease is lost now)."""
+        if any(isinstance(e, LeaseLostError) for e in exception_chain(exc)):
+            return True
+        try:
+            self.fence()
+        except LeaseLostError:
+            return True
+        except Exception:  # noqa: BLE001 - storage down: the status write below tries (and reports) too
+            return False
+        return False
+
     def start_runtime(self, *, with_actors: bool = True) -> Runtime:
         """Connect Ray and attach to or create the run's actors (:func:`flows.run.runtime.setup_runtime`);
         the session directory of a local Ray it starts goes into ``status.json``."""
 
         def record_ray(rt: Runtime) -> None:
             if rt.ray_session_dir:
+                self.fence()  # a fenced writer writes no status
                 write_status(self.layout, self.storage_options, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
 
         self.runtime = setup_runtime(self.cfg, self.run_id, with_actors=with_actors, on_connect=record_ray)
@@ -141,8 +166,10 @@ class RunSession:
         rt = self.runtime
         if rt is None:
             raise RuntimeError("start_runtime() comes before context()")
-        return build_run_context(self.cfg, self.run_id, rt, rt.tokenizer, load_observers(),
-                                 records=rt.records if records is None else records)
+        run = build_run_context(self.cfg, self.run_id, rt, rt.tokenizer, load_observers(),
+                                records=rt.records if records is None else records)
+        run.fence = self.fence  # every commit checks the lease first
+        return run
 
     def finish(self, **status_fields: Any) -> None:
         """Fields to record with ``completed`` (e.g. where the weights were restored from)."""
@@ -152,7 +179,9 @@ class RunSession:
     def running(self, *, max_steps: int) -> Iterator["RunSession"]:
         """The run's life from ``running`` to its end state (steps 5-8 of the module docstring)."""
         layout, opts, log = self.layout, self.storage_options, self.log
-        if self.previous.get("status") not in (None, "completed"):  # task runs a killed flow left Running
+        # task runs a killed flow left Running (a live one taken over ends its own: it is fenced)
+        orphaned = flow_process_alive(self.previous.get("flow_process")) is not True
+        if self.previous.get("status") not in (None, "completed") and orphaned:
             mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log)
         reaped = reap_local_ray(self.previous)
         if reaped:
@@ -165,17 +194,25 @@ class RunSession:
             config_hash=self.config_hash, error=None, flow_process=current_process(), local_ray=None,
             prefect_server=ephemeral_prefect_servers(),
         )
+        reset, facts = self.start.optimizer_reset, self.start.facts
+        if reset is not None and facts is not None:  # --fresh-optimizer: kept in the run's record
+            write_status(layout, opts, optimizer_reset={
+                "checkpoint_step": reset, "first_step": facts.last_trained + 1, "unix": time.time()})
         add_flow_run_tags(self.flow_run_id, [run_tag(self.run_id)])
         try:
             with own_local_ray(self.run_id), retry_policy(self.cfg.storage.retry.policy()):
                 yield self
-                write_status(layout, opts, status="completed", last_step=max_steps, **self.end_fields)
+                self.fence()  # taken over at the last moment: the new holder's status stays
+                write_status(layout, opts, status="completed", last_step=max_steps, error=None, **self.end_fields)
                 rename_flow_run(self.flow_run_id, self.run_id)  # a finished run's flow run is named after the run
                 if self.runtime is not None and not nrl_settings().keep_actors:
                     self.runtime.shutdown()  # kill the actors, remove the placement groups
         except BaseException as exc:
             # SIGINT, SIGTERM (possibly re-raised by Prefect as another error): resumable, not a failure
             stopped = any(isinstance(e, (KeyboardInterrupt, TerminationSignal)) for e in exception_chain(exc))
+            if self._fenced(exc):  # another process took the run over: its status.json, not ours
+                log.error("run %s was taken over by another process: this one stops and writes nothing more", self.run_id)
+                raise
             try:  # best effort: on a full disk or a lost bucket the status cannot be written either
                 write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
             except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
@@ -233,7 +270,8 @@ def run_session(
         existed = fs.exists(layout.config_uri, storage_options=opts)
         # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
         chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
-        start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute)
+        start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute,
+                           fresh_optimizer=intent.fresh_optimizer)
         yield RunSession(
             cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
             previous=read_status(layout, opts) or {}, start=start, log=log or logger,

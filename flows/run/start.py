@@ -17,7 +17,13 @@ For a run that is continued (``resume``; an SFT warm start whose run exists) it:
    checkpoints, the anchor) and plans the resume for actors that start fresh
    (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
    actors are gone. The flow then plans again with the actors it finds (live ones on a kept Ray
-   may be reused: :func:`flows.run.recovery.recover`); DPO restores its anchor and replays after it.
+   may be reused: :func:`flows.run.recovery.recover`); DPO restores its anchor and replays after it;
+5. refuses (GRPO) a resume that would train on from a checkpoint holding no optimizer state
+   (saved with ``checkpointing.save_optimizer: false``): a fresh optimizer makes the next steps
+   differ from an uninterrupted run. ``fresh_optimizer=True`` (``nrl resume RUN --fresh-optimizer``)
+   continues anyway; the plan then says so (:attr:`StartPlan.optimizer_reset`) and the flow records
+   it in ``status.json`` and in the metrics line of the first step trained after it
+   (:func:`check_optimizer_state`).
 
 A new run has nothing to check here (``config.yaml`` is created by the session).
 """
@@ -34,7 +40,7 @@ from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.graph import STEP_INPUTS
 from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, grpo_facts_options, plan_resume, read_run_facts
 
-__all__ = ["StartPlan", "check_not_rewound", "plan_start"]
+__all__ = ["StartPlan", "check_not_rewound", "check_optimizer_state", "plan_start"]
 
 #: what a resumed flow starts with when its actors are gone: fresh policy and generation workers
 FRESH_ACTORS = ActorHealth(policy_version=0, generation_version=0, generation_alive=True, policy_fresh=True)
@@ -52,6 +58,9 @@ class StartPlan:
     facts: RunFacts | None = None
     #: recovery with fresh actors (``None``: a new run, or an SFT, which restarts from its first step)
     plan: ResumePlan | None = None
+    #: the checkpoint step restored without optimizer state, training on with a fresh optimizer
+    #: (``--fresh-optimizer``; ``None``: the optimizer state is restored, or nothing is trained)
+    optimizer_reset: int | None = None
     #: damaged datasets the flow deletes before it starts and makes again, the same bytes (DPO)
     rebuild: tuple[str, ...] = ()
 
@@ -74,6 +83,8 @@ class StartPlan:
             parts.append(f"trained steps: {self.facts.last_trained}")
         if self.plan is not None and self.plan.touches_actors:
             parts.append("then " + self.plan.describe() if parts else self.plan.describe())
+        if self.optimizer_reset is not None:
+            parts.append(f"a fresh optimizer after checkpoint {self.optimizer_reset} (--fresh-optimizer)")
         return "; ".join(parts) or "nothing to recover"
 
 
@@ -93,10 +104,44 @@ def check_not_rewound(cfg: MasterConfig, layout: RunLayout, algorithm: str) -> N
     )
 
 
+def check_optimizer_state(
+    cfg: MasterConfig, layout: RunLayout, facts: RunFacts, plan: ResumePlan, *, fresh_optimizer: bool
+) -> int | None:
+    """The checkpoint step ``plan`` restores without an optimizer state when training follows
+    (a replay, or steps left below ``grpo.max_num_steps``); ``None`` when there is none.
+
+    ``ConfigError`` naming ``checkpointing.save_optimizer`` and ``--fresh-optimizer`` for such a
+    checkpoint unless ``fresh_optimizer``: its next steps would silently differ from an
+    uninterrupted run's (weights, rollouts, loss)."""
+    from nrl_tasks.stages.checkpoint import has_optimizer_state, read_checkpoint_info
+
+    step = plan.restore_from
+    trains = bool(plan.replay) or facts.last_trained < cfg.grpo.max_num_steps
+    if not step or not trains:
+        return None
+    opts = cfg.storage.storage_options or None
+    uri = layout.checkpoint_uri(step)
+    if has_optimizer_state(uri, read_checkpoint_info(uri, opts), opts):
+        return None
+    if fresh_optimizer:
+        return step
+    run_id = layout.run_id
+    raise ConfigError(
+        f"run {run_id!r}: checkpoint {uri} (step {step}) holds no optimizer state (the run has "
+        "checkpointing.save_optimizer = false), so training on from it with a fresh optimizer would differ "
+        "from an uninterrupted run without saying so; nothing was started. To continue anyway, resume with "
+        f"`nrl resume {run_id} --fresh-optimizer` (recorded as optimizer_reset in status.json and in the "
+        "metrics line of the first step trained)"
+    )
+
+
 def plan_start(
-    cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None
+    cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None,
+    fresh_optimizer: bool = False,
 ) -> StartPlan:
     """Check and plan the start of run ``layout.run_id`` (see the module docstring).
+
+    ``fresh_optimizer``: train on from a checkpoint without optimizer state (GRPO; refused otherwise).
 
     ``ConfigError`` / ``ValueError`` / ``DamagedRunError`` with one clear message when it is refused."""
     specs = parse_recompute(recompute)
@@ -128,4 +173,8 @@ def plan_start(
         rebuild = dpo_repairs(cfg, layout, opts, window=(window.anchor, window.last_trained))
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
     plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan, rebuild=rebuild)
+    reset = None
+    if algorithm == "grpo":
+        restores = plan or plan_resume(facts, FRESH_ACTORS, force_refit=True)
+        reset = check_optimizer_state(cfg, layout, facts, restores, fresh_optimizer=fresh_optimizer)
+    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan, optimizer_reset=reset, rebuild=rebuild)

@@ -49,7 +49,7 @@ from nrl_tasks.stages.checkpoint_files import (
     _is_s3,
     _local,
 )
-from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
 
@@ -61,7 +61,9 @@ __all__ = [
     "CheckpointDamagedError",
     "check_checkpoint",
     "checkpoint",
+    "checkpoint_info",
     "discard_checkpoint",
+    "has_optimizer_state",
     "is_checkpoint_committed",
     "latest_checkpoint",
     "list_checkpoints",
@@ -83,6 +85,19 @@ def is_checkpoint_committed(uri: str, storage_options: dict[str, Any] | None = N
 def read_checkpoint_info(uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``checkpoint.json``; ``DamagedRunError`` naming the file when it is not valid JSON."""
     return read_checkpoint_json(uri, storage_options)
+
+
+def has_optimizer_state(uri: str, info: dict[str, Any], storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether the committed checkpoint at ``uri`` (its ``checkpoint.json``: ``info``) holds an
+    optimizer state: the one its file manifest recorded (``optimizer``; ``false`` when it was saved
+    with ``checkpointing.save_optimizer: false``), else (written before manifests) an ``optimizer/``
+    directory."""
+    if isinstance(info.get("files"), dict):
+        return bool(info.get("optimizer"))
+    base = uri.rstrip("/")
+    if _is_s3(uri):
+        return bool(_fs().walk_files(f"{base}/optimizer", storage_options))
+    return os.path.isdir(os.path.join(os.path.abspath(_local(uri)), "optimizer"))
 
 
 def discard_checkpoint(uri: str, problem: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -254,6 +269,29 @@ def restore_checkpoint(
     return info
 
 
+def checkpoint_info(
+    run: RunContext, step: int, weights_version: int, config_hash: str, weights_checksum: str | None
+) -> dict[str, Any]:
+    """What ``checkpoint.json`` records of the checkpoint after step ``step``'s ``train`` (the policy
+    holding ``weights_version``) besides its file manifest."""
+    return {
+        "run_id": run.run_id,
+        "step": step,
+        "weights_version": weights_version,
+        "config_hash": config_hash,
+        "data_cursor": step,
+        "model_name": run.cfg.policy.model_name,
+        "weights_checksum": weights_checksum,
+    }
+
+
+def _before_commit(ctx: StepContext) -> None:
+    """The checkpoint's files are written: report it, then stop if the run's lease was taken over
+    (a fenced writer commits nothing more)."""
+    ctx.emit("checkpoint", "computed")
+    ctx.run.check_fence()
+
+
 @task(name="checkpoint", task_run_name="checkpoint-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> ActionResult:
     """Checkpoint the policy after ``trained`` (the step's ``train``; idempotent: a commit is kept)."""
@@ -271,18 +309,10 @@ def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> Actio
 
             raise StalePolicyError(f"checkpoint of step {step}: the policy holds weights version {version}")
         ctx.actor_call("checkpoint", "policy", run.policy.worker_group.workers)
-        info = {
-            "run_id": run.run_id,
-            "step": step,
-            "weights_version": version,
-            "config_hash": config_hash,
-            "data_cursor": step,
-            "model_name": ctx.cfg.policy.model_name,
-            "weights_checksum": trained.get("weights_checksum"),
-        }
+        info = checkpoint_info(run, step, version, config_hash, trained.get("weights_checksum"))
         out = save_checkpoint(
             run.policy, uri, info, save_optimizer=ctx.cfg.checkpointing.save_optimizer,
-            storage_options=run.storage_options, on_written=lambda: ctx.emit("checkpoint", "computed"),
+            storage_options=run.storage_options, on_written=lambda: _before_commit(ctx),
         )
         ctx.emit("checkpoint", "committed")
     return ActionResult("checkpoint", step, version, seconds=out["seconds"], attempts=attempt, uri=uri, info=info)

@@ -20,7 +20,7 @@ fault injector through them (``NRL_PLUGINS``, see :mod:`flows.run.plugins`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -102,6 +102,9 @@ class RunContext:
     #: what the next commit of each stage records about the recovery that preceded it
     #: (``{"recovered": True, "replayed": "1,2"}``; set by the flow's recovery, taken by the stage)
     recovery_notes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: raises (``storage.lease.LeaseLostError``) once this process may no longer write the run (its
+    #: lease was taken over); called before every commit (``None``: no lease, e.g. a test)
+    fence: Callable[[], None] | None = None
     _records: dict[str, list[dict[str, str]]] = field(default_factory=dict, repr=False)
 
     @property
@@ -144,6 +147,11 @@ class RunContext:
     def remember_records(self, split: str, records: list[dict[str, str]]) -> None:
         """Use ``records`` as the snapshot of ``split`` (taken by the flow before Ray started)."""
         self._records[split] = records
+
+    def check_fence(self) -> None:
+        """Raise before a commit when this process may no longer write the run (:attr:`fence`)."""
+        if self.fence is not None:
+            self.fence()
 
     def count_attempt(self, step: int, stage: str) -> int:
         """Count one more run of ``stage`` for ``step``; returns the attempt number (1, 2, ...)."""

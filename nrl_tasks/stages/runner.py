@@ -168,6 +168,7 @@ def run_stage(
         batch, figures = compute(batches, timer)
         ctx.emit(name, "computed")
         note = {"recovered": False, **run.recovery_notes.get(name, {})}
+        run.check_fence()  # a fenced writer (its lease taken over) commits nothing more
         ref = save_output(
             batch, uri, run_id=run.run_id, step=ctx.step, stage=output, weights_version=weights_version,
             storage_options=run.storage_options, fsync=run.fsync, attempts=attempt,

@@ -60,3 +60,34 @@ def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_
     assert storage.read_manifest(rollouts).meta["recovered"] is True  # regenerated after a full refit to v2
     assert checkpoint_bytes(root, RUN_ID, 3) == checkpoint_bytes(base, E2E_RUN_ID, 3)
     assert [r["step"] for r in read_metrics(os.path.join(root, RUN_ID, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_a_damaged_older_checkpoint_is_saved_anew_when_its_step_is_replayed(e2e_run, prefect_harness, tmp_path, capsys):
+    """Checkpoint 2's ``checkpoint.json`` is damaged and checkpoint 3 was never written (a kill
+    while checkpointing step 3): the resume discards checkpoint 2, replays steps 1-3 from the initial
+    weights and writes checkpoint 2 anew on the way, with the reference's weights (issue 27, item 10;
+    before, only the last step's checkpoint was ever written again)."""
+    import json
+
+    from flows.cli import main
+    from nrl_tasks.stages.checkpoint import list_checkpoints
+
+    base = e2e_run["root"]
+    root = str(tmp_path / "runs")
+    run_id = "faults-damaged-ckpt"
+    shutil.copytree(os.path.join(base, E2E_RUN_ID), os.path.join(root, run_id))
+    shutil.rmtree(os.path.join(root, run_id, "checkpoints", "step_000003"))
+    shutil.rmtree(os.path.join(root, run_id, "evals"), ignore_errors=True)
+    commit = os.path.join(root, run_id, "checkpoints", "step_000002", "checkpoint.json")
+    with open(commit, "w", encoding="utf-8") as fh:
+        fh.write("{not json")
+    try:
+        assert main(["resume", run_id, "--storage", root]) == 0, capsys.readouterr().err
+    finally:
+        kill_run_actors(run_id)
+    assert [s for s, _ in list_checkpoints(os.path.join(root, run_id, "checkpoints"))] == [2, 3]
+    with open(commit, encoding="utf-8") as fh:
+        info = json.load(fh)
+    assert info["step"] == 2 and info["weights_version"] == 2, info
+    assert checkpoint_bytes(root, run_id, 2) == checkpoint_bytes(base, E2E_RUN_ID, 2)
+    assert checkpoint_bytes(root, run_id, 3) == checkpoint_bytes(base, E2E_RUN_ID, 3)

@@ -4,7 +4,9 @@
   started) and by the flow itself (a deployment run skips the CLI), and nothing of the run is
   touched; ``nrl runs`` shows ``running`` while the lease is live, whatever ``status.json`` says;
 - a SIGKILLed holder on this machine is dead at once: its lease is taken over without asking;
-- a holder whose lease was taken over is fenced: the flow's between-steps check raises.
+- a holder whose lease was taken over is fenced: the flow's between-steps check raises, its next
+  commit is refused, it writes no status over the new holder's, and the new holder ends ``completed``
+  without an error.
 """
 
 from __future__ import annotations
@@ -114,6 +116,51 @@ def test_a_holder_whose_lease_was_taken_over_is_fenced(run_copy):
             second.release()
     finally:
         first.release()
+
+
+def test_a_fenced_writer_commits_and_writes_nothing_after_a_take_over(run_copy, prefect_harness):
+    """``--take-over`` of a live run (issue 27, item 8): the old writer's next stage commit raises
+    ``LeaseLostError`` and commits nothing; its session ends without writing ``failed`` over the new
+    holder's ``running``; the CLI's advice says the run was taken over (not "resume with"); the new
+    holder's ``completed`` carries no error."""
+    import contextlib
+    import json
+
+    import storage
+    from flows.config.resolve import resolve_config
+    from flows.run.lease import lease_refusal
+    from flows.run.session import RunIntent, run_session
+    from nrl_tasks.stages.context import RunContext
+    from nrl_tasks.stages.runner import run_stage
+    from storage.lease import LeaseLostError
+
+    layout = run_copy
+    cfg = resolve_config(None, [], layout.root, run_id=E2E_RUN_ID)
+
+    def status() -> dict:
+        with open(layout.status_uri, encoding="utf-8") as fh:
+            return json.load(fh)
+
+    with contextlib.ExitStack() as old_stack:
+        old = old_stack.enter_context(run_session(cfg, E2E_RUN_ID, algorithm="grpo", intent=RunIntent(resume=True)))
+        old_running = old.running(max_steps=3)
+        old_running.__enter__()
+        old_run = RunContext(E2E_RUN_ID, layout, cfg, tokenizer=None, actors=None)
+        old_run.fence = old.fence  # as the session's context() sets it
+        with run_session(cfg, E2E_RUN_ID, algorithm="grpo", intent=RunIntent(resume=True, take_over=True)) as new:
+            with new.running(max_steps=3):
+                assert status()["status"] == "running"
+                uri = layout.stage_uri(4, "rollouts")
+                with pytest.raises(LeaseLostError, match="taken over") as lost:
+                    run_stage(old_run.step(4), "generate", lambda inputs, timer: ({}, {}))
+                assert not storage.is_committed(uri), "the fenced writer committed after the take-over"
+                # the old flow unwinds with the error: it must not write its end over the new holder's status
+                assert old_running.__exit__(LeaseLostError, lost.value, lost.value.__traceback__) is False
+                assert status()["status"] == "running" and status().get("error") is None, status()
+        advice = lease_refusal(lost.value)
+        assert advice is not None and "took the run over" in advice and "resume with" not in advice, advice
+    final = status()
+    assert final["status"] == "completed" and final.get("error") is None, final
 
 
 @pytest.mark.parametrize("damage", [b"", b"\x00\xff{not json"], ids=["empty", "garbage"])
