@@ -17,7 +17,9 @@ matches; :func:`snapshot_repair`).
 ``input_ids [2P, S]``, ``input_lengths [2P]``, ``token_mask [2P, S]`` (1 on response tokens and
 the EOS that ends them), ``sample_mask [2P]``, ``pair_index [2P]`` (pair within the step),
 ``record_index [2P]`` (row of the snapshot). A pair longer than ``policy.max_total_sequence_length``
-loses prompt tokens from the left first, then response tokens from the right.
+loses prompt tokens from the left first, then response tokens from the right; before tokenising,
+the prompt and the responses are cut by characters to what that can keep
+(:func:`~nrl_tasks.stages.data.clip_text`), so a huge response costs no more than a short one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-from nrl_tasks.stages.data import _read_rows, completion_batch, derive_seed, format_prompt, load_prompt_records
+from nrl_tasks.stages.data import _read_rows, clip_text, completion_batch, derive_seed, format_prompt, load_prompt_records
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import DataConfig
@@ -160,9 +162,10 @@ def build_pair_batch(records: list[dict[str, str]], indices: list[int], tokenize
     rows: list[tuple[list[int], list[int]]] = []
     for i in indices:
         r = records[i]
-        prompt = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer), add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_len), add_special_tokens=False)["input_ids"]
         for field in FIELDS:
-            resp = (tokenizer(r[field], add_special_tokens=False)["input_ids"] + [eos])[: max_len - 1]
+            resp = clip_text(r[field], max_len, keep="head")  # only its first tokens can be kept
+            resp = (tokenizer(resp, add_special_tokens=False)["input_ids"] + [eos])[: max_len - 1]
             rows.append((prompt[max(0, len(prompt) - (max_len - len(resp))):], resp))
     return BatchedDataDict({
         **completion_batch(rows, pad),
