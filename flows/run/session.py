@@ -67,7 +67,7 @@ from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_r
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.errors import exception_chain
+from nrl_tasks.stages.errors import describe_error, exception_chain
 from storage import fs, retry_policy
 from storage.lease import LeaseLostError
 
@@ -214,7 +214,7 @@ class RunSession:
                 log.error("run %s was taken over by another process: this one stops and writes nothing more", self.run_id)
                 raise
             try:  # best effort: on a full disk or a lost bucket the status cannot be written either
-                write_status(layout, opts, status="interrupted" if stopped else "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+                write_status(layout, opts, status="interrupted" if stopped else "failed", error=describe_error(exc)[:2000])
             except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
                 log.warning("could not record the run's end in status.json: %s", status_exc)
             raise

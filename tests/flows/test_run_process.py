@@ -185,3 +185,30 @@ def test_a_failed_runs_last_line_names_the_root_cause_through_rays_wrappers(ray_
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("nrl: run r1 failed: ") and last.endswith(want), last
         assert "RayTaskError" not in last and "pid=" not in last, last
+
+
+def test_a_failed_runs_status_records_the_root_cause_through_rays_wrappers(ray_session, tmp_path):
+    """``status.json``'s ``error`` of a run whose worker raised is the worker's exception, as the
+    CLI's last line says it (:func:`describe_error`), not Ray's wrapper with its remote traceback
+    (issue 27, item 6b)."""
+    import ray
+
+    from flows.config.resolve import resolve_config
+    from flows.run.session import run_session
+    from flows.run.state import read_status
+    from nrl_tasks.run_layout import RunLayout
+    from tests.fixtures.grpo_runs import TINY_CONFIG
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def setup(self):
+            raise ValueError("policy.dtensor_cfg.lora_cfg.alpha makes the scale overflow")
+
+    cfg = resolve_config(TINY_CONFIG, [], str(tmp_path), algorithm="grpo")
+    with run_session(cfg, "r1", algorithm="grpo") as session:
+        with pytest.raises(ValueError, match="scale overflow"):
+            with session.running(max_steps=1):
+                ray.get(Worker.remote().setup.remote())
+    status = read_status(RunLayout(str(tmp_path), "r1"), None)
+    assert status["status"] == "failed", status
+    assert status["error"] == "ValueError: policy.dtensor_cfg.lora_cfg.alpha makes the scale overflow", status
