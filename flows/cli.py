@@ -231,7 +231,9 @@ def eval_(
     try:
         res = eval_sweep(target, storage=storage, dataset=dataset, num_samples=num_samples, max_prompts=max_prompts)
     except Exception as exc:  # noqa: BLE001
-        print(f"nrl: eval failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        from nrl_tasks.stages.errors import describe_error
+
+        print(f"nrl: eval failed: {describe_error(exc)}", file=sys.stderr)  # the root cause, through Ray's wrappers
         return EXIT_FAILED
     print(f"nrl: evaluated {len(res['evaluated'])} checkpoint(s), {len(res['skipped'])} already evaluated")
     for name in res.get("vanished", []):
