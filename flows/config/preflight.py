@@ -27,7 +27,7 @@ from __future__ import annotations
 from flows.config import MasterConfig
 from nrl_tasks.run_layout import RunLayout
 
-__all__ = ["check_environment", "check_model_path", "check_plugins", "check_preferences", "check_prompt_files", "check_reward_fn", "preflight"]
+__all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins", "check_preferences", "check_prompt_files", "check_reward_fn", "preflight"]
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
@@ -108,6 +108,20 @@ def check_preferences(cfg: MasterConfig, layout: RunLayout | None = None) -> Non
         raise ValueError(f"{'data.train_path' if cfg.data.dataset == 'file' else 'data.arithmetic'}: {exc}") from None
 
 
+def check_lora(cfg: MasterConfig) -> None:
+    """``ValueError`` naming ``policy.dtensor_cfg.lora_cfg.target_modules`` / ``exclude_modules``
+    when LoRA is enabled and an entry names no module of the policy model, or nothing is left to
+    adapt: checked on the meta device from the model's ``config.json``, before Ray starts (was:
+    60-108 s later, in ``PolicyWorker.setup``)."""
+    lora = cfg.policy.dtensor_cfg.lora_cfg
+    if not lora.enabled:
+        return
+    from nrl_tasks.models.builtin import resolve_model_path
+    from nrl_tasks.models.policy.workers.lora import check_lora_targets
+
+    check_lora_targets(resolve_model_path(cfg.policy.model_name), lora)
+
+
 def preflight(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
     """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything
     (``layout``: the run a resume continues)."""
@@ -115,6 +129,7 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
     from flows.run.ray_session import check_local_ray_size
 
     check_model_path(cfg)
+    check_lora(cfg)
     check_plugins(cfg)
     load_observers(isolate=True)
     if cfg.dpo is not None:

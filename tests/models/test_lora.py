@@ -359,3 +359,39 @@ def test_refit_of_trained_adapters_over_ray(ray_session, tiny_model_dir):
         policy.shutdown()
         gen_cluster.shutdown()
         policy_cluster.shutdown()
+
+
+_KEY = "policy.dtensor_cfg.lora_cfg"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ([f"{_KEY}.match_all_linear=false", f"{_KEY}.target_modules=[no_such_proj]"],
+         f"{_KEY}.target_modules: no module named ['no_such_proj'] in the model"),
+        ([f"{_KEY}.exclude_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+         f"{_KEY}.exclude_modules ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'] excludes every module"),
+        ([f"{_KEY}.match_all_linear=false", f"{_KEY}.target_modules=[q_proj]", f"{_KEY}.exclude_modules=[q_proj]"],
+         f"{_KEY}.exclude_modules ['q_proj'] excludes every module of target_modules"),
+        ([f"{_KEY}.dim=1e9"], f"{_KEY}.dim: Input should be less than or equal to 65536"),
+        ([f"{_KEY}.alpha=1e300"], f"{_KEY}.alpha: Input should be less than or equal to 1048576"),
+    ],
+)
+def test_lora_key_errors_are_refused_before_ray_starts(overrides, needle, tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """Unknown target modules, an exclude-all, ``dim=1e9`` (a 256 GB allocation) and
+    ``alpha=1e300`` are config errors (exit 2) naming the key, found in preflight on the meta device
+    (was: 60-108 s later, after Ray and the actors started, inside ``PolicyWorker.setup``)
+    (issue 27, item 6a)."""
+    import flows.run.runtime
+    from flows.cli import main
+
+    def tripwire(*a, **k):
+        raise AssertionError("Ray started despite a bad LoRA config")
+
+    monkeypatch.setattr(flows.run.runtime, "connect_ray", tripwire)
+    argv = ["grpo", "--config", "configs/grpo_tiny_lora.yaml", "--storage", str(tmp_path / "runs"),
+            f"policy.model_name={tiny_model_dir}", f"policy.tokenizer.name={tiny_model_dir}", *overrides]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("nrl: error:") == 1, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

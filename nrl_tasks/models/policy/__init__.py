@@ -114,7 +114,9 @@ class LoRAConfig(Section):
 
     ``match_all_linear``: every ``nn.Linear`` except the output layer (peft's ``"all-linear"``),
     minus ``exclude_modules``; otherwise exactly ``target_modules`` (module-name suffixes such as
-    ``q_proj``), minus ``exclude_modules``. Names are checked against the model when it is built.
+    ``q_proj``), minus ``exclude_modules``. Names (and that something is left to adapt) are checked
+    against the model before anything starts, on the meta device from its ``config.json``
+    (:func:`~nrl_tasks.models.policy.workers.lora.check_lora_targets`), and again when it is built.
     Scaling is ``alpha / dim`` (no rsLoRA); ``dropout`` applies to the adapter input.
     ``lora_A_init`` (B always starts at zero, so the adapted model starts equal to the base):
     ``"kaiming"`` is peft's ``init_lora_weights=True`` (``kaiming_uniform_(a=sqrt(5))``, which is
@@ -128,8 +130,8 @@ class LoRAConfig(Section):
     target_modules: list[str] = Field(default_factory=list)
     exclude_modules: list[str] = Field(default_factory=list)
     match_all_linear: bool = True
-    dim: int = Field(8, ge=1)
-    alpha: float = Field(32.0, gt=0.0)
+    dim: int = Field(8, ge=1, le=1 << 16, description="adapter rank, <= 65536 (wider than any model's layers)")
+    alpha: float = Field(32.0, gt=0.0, le=float(1 << 20), description="scaling numerator (scale alpha/dim), <= 2**20")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     lora_A_init: str = "xavier"
     save_merged: bool = False

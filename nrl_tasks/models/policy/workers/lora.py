@@ -46,6 +46,8 @@ __all__ = [
     "ADAPTER_FILE",
     "adapter_layout",
     "adapter_named_tensors",
+    "check_lora_modules",
+    "check_lora_targets",
     "inject_adapters",
     "is_adapter_dir",
     "load_adapter_into",
@@ -71,25 +73,64 @@ def _linear_names(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
+def _matches(module: str, names: list[str]) -> bool:
+    """Whether ``module`` is one of ``names`` or ends with ``"." + name`` (as peft matches)."""
+    return any(module == t or module.endswith("." + t) for t in names)
+
+
 def _unknown(names: list[str], modules: list[str]) -> list[str]:
     """Entries of ``names`` that match no module (peft matches a name or a dotted suffix)."""
-    return [t for t in names if not any(m == t or m.endswith("." + t) for m in modules)]
+    return [t for t in names if not any(_matches(m, [t]) for m in modules)]
 
 
-def wrap_with_lora(model: torch.nn.Module, cfg: Any) -> Any:
-    """``peft.get_peft_model(model, ...)`` for ``cfg`` (a ``LoRAConfig``), after checking that
-    every ``target_modules`` / ``exclude_modules`` entry names a module of ``model`` (a
-    ``ValueError`` naming the key and the unknown names otherwise). With ``lora_A_init="xavier"``
-    every ``lora_A`` is redrawn with ``xavier_normal_`` (in module order, from torch's RNG)."""
-    from peft import LoraConfig, get_peft_model
-
+def check_lora_modules(model: torch.nn.Module, cfg: Any) -> None:
+    """``ValueError`` naming the key unless every ``target_modules`` / ``exclude_modules`` entry of
+    ``cfg`` (a ``LoRAConfig``) names a module of ``model`` (a name or a dotted suffix, as peft
+    matches) and at least one module is left to adapt (``match_all_linear``: every linear layer but
+    the output layer, as peft's ``"all-linear"``; else the targets), less the excluded ones."""
     all_modules = [name for name, _ in model.named_modules() if name]
     linear = _linear_names(model)
+    short = sorted({n.rsplit(".", 1)[-1] for n in linear})
     for key, names in (("target_modules", cfg.target_modules), ("exclude_modules", cfg.exclude_modules)):
         unknown = _unknown(list(names), all_modules)
         if unknown:
-            short = sorted({n.rsplit(".", 1)[-1] for n in linear})
             raise ValueError(f"{_KEY}.{key}: no module named {unknown} in the model (its linear modules: {short})")
+    if cfg.match_all_linear:  # peft's "all-linear" leaves out the output layer
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        chosen = [n for n in linear if model.get_submodule(n) is not head]
+    else:
+        chosen = [m for m in all_modules if _matches(m, cfg.target_modules)]
+    left = [m for m in chosen if not _matches(m, cfg.exclude_modules)]
+    if not left:
+        raise ValueError(
+            f"{_KEY}.exclude_modules {list(cfg.exclude_modules)} excludes every module "
+            f"{'of match_all_linear' if cfg.match_all_linear else 'of target_modules'}: nothing to adapt"
+        )
+
+
+def check_lora_targets(model_path: str, cfg: Any) -> None:
+    """:func:`check_lora_modules` before anything starts: the model of ``model_path`` (an HF
+    folder) is built from its ``config.json`` on the meta device (no weights read, no memory).
+    A config transformers cannot read is left to the worker, which checks again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unusual model folder: the worker's own check names the problem
+        return
+    check_lora_modules(model, cfg)
+
+
+def wrap_with_lora(model: torch.nn.Module, cfg: Any) -> Any:
+    """``peft.get_peft_model(model, ...)`` for ``cfg`` (a ``LoRAConfig``), after
+    :func:`check_lora_modules` (a ``ValueError`` naming the key and the unknown names otherwise).
+    With ``lora_A_init="xavier"`` every ``lora_A`` is redrawn with ``xavier_normal_`` (in module
+    order, from torch's RNG)."""
+    from peft import LoraConfig, get_peft_model
+
+    check_lora_modules(model, cfg)
     peft_cfg = LoraConfig(
         r=cfg.dim,
         lora_alpha=cfg.alpha,
