@@ -107,12 +107,13 @@ def step_plan(cfg: MasterConfig, step: int, *, chash: str, write_line: bool = Tr
 
 def run_grpo_steps(
     run: RunContext, *, chash: str, refit_generation: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None,
-    optimizer_reset: bool = False,
+    optimizer_reset: int | None = None,
 ) -> dict[str, Any]:
     """Recover, then run the steps of a run on its schedule (the body of the flow). ``fence()``
     runs before each step and raises when this flow may no longer write the run (its lease was
-    taken over). ``optimizer_reset``: the restored checkpoint held no optimizer state
-    (``--fresh-optimizer``): the metrics line of the first step trained says ``optimizer_reset: true``.
+    taken over). ``optimizer_reset``: the checkpoint restored without optimizer state
+    (``--fresh-optimizer``; any other such restore stops the run): the metrics line of the first
+    step trained says ``optimizer_reset: true``.
 
     One driver (:class:`flows.algorithms.driver.StepDriver`) runs synchronous GRPO (the schedule
     with age 0: each step one subflow, :func:`flows.algorithms.step.grpo_step`, the unit a fault
@@ -127,7 +128,8 @@ def run_grpo_steps(
     cfg = run.cfg
     logger = get_run_logger()
     layout, opts = run.layout, run.storage_options
-    restored = recover(run, cfg.grpo.max_num_steps, force_refit=refit_generation, policy_fresh=policy_fresh, log=logger)
+    restored = recover(run, cfg.grpo.max_num_steps, force_refit=refit_generation, policy_fresh=policy_fresh, log=logger,
+                       fresh_optimizer_at=optimizer_reset)
     last = restored["plan"].target
     if restored["restored_from"] == "live" and last > 0 and getattr(run.actors, "policy_attached", False):
         logger.info("attached to live policy actors at weights version %d", last)
@@ -145,7 +147,7 @@ def run_grpo_steps(
     def publish(ctx: Any, refs: Any, plan: StepPlan, **kw: Any) -> Any:
         if refs.flow_run_id:
             publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
-        if optimizer_reset and refs.step == last + 1:  # the first step trained with a fresh optimizer
+        if optimizer_reset is not None and refs.step == last + 1:  # the first step trained with a fresh optimizer
             kw["extra"] = {**(kw.get("extra") or {}), "optimizer_reset": True}
         return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, trackers=trackers, **kw)
 
@@ -237,7 +239,7 @@ def grpo(
             info = run_grpo_steps(
                 session.context(), chash=session.config_hash, policy_fresh=not rt.policy_attached,
                 refit_generation=session.start.refit_generation(workers_attached=rt.generation_attached),  # flows.run.start
-                fence=session.fence, optimizer_reset=session.start.optimizer_reset is not None,
+                fence=session.fence, optimizer_reset=session.start.optimizer_reset,
             )
     rows = read_metrics(layout.metrics_uri, opts)
     from nrl_tasks.stages.checkpoint import list_checkpoints

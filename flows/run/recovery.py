@@ -67,12 +67,16 @@ def _logger() -> Any:
         return logging.getLogger(__name__)
 
 
-def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified: bool = False) -> dict[str, Any]:
+def execute_plan(
+    run: RunContext, plan: ResumePlan, *, log: Any = None, verified: bool = False, optimizer_required: bool = False
+) -> dict[str, Any]:
     """Carry out ``plan`` on the run's actors (see the module docstring); what was done.
 
     ``verified``: the checkpoint to restore had its files checked just now (else the restore
     checks them). ``CheckpointDamagedError`` when a file or the loaded weights are not what the
-    checkpoint and its step recorded."""
+    checkpoint and its step recorded. ``optimizer_required``: training follows the restore, so a
+    checkpoint without optimizer state is a ``MissingOptimizerStateError`` naming ``checkpointing.save_optimizer``
+    (training on would silently differ from an uninterrupted run)."""
     from flows.algorithms.lanes import data_stages
     from nrl_tasks.stages.checkpoint import discard_checkpoint, restore_checkpoint
     from nrl_tasks.stages.refit import refit
@@ -101,6 +105,8 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
             restored = run.layout.checkpoint_uri(plan.restore_from)
             info = restore_checkpoint(run.policy, restored, run.storage_options, verify=not verified)
             _check_restored_weights(run, plan, restored, info, log)
+            if optimizer_required:
+                _check_optimizer_restored(run, restored, info)
             unlisted = not isinstance(info.get("files"), dict)
             log.info("restored checkpoint %s (weights version %d)", restored, int(info["step"]))
     held = plan.restore_from if plan.restore_from is not None else plan.target
@@ -130,6 +136,24 @@ def execute_plan(run: RunContext, plan: ResumePlan, *, log: Any = None, verified
     if plan.refit:
         refit(quote(run.step(plan.target)), None, plan.target, force=True)
     return {"restored_from": restored, "replayed": list(plan.replay), "recomputed": dict(plan.recompute)}
+
+
+def _check_optimizer_restored(run: RunContext, uri: str, info: dict[str, Any]) -> None:
+    """``MissingOptimizerStateError`` when checkpoint ``uri`` (restored inside a run, e.g. after an actor fault)
+    held no optimizer state: the steps trained on would differ from an uninterrupted run's without
+    saying so. The run stops; ``nrl resume RUN --fresh-optimizer`` continues it, recorded
+    (:func:`flows.run.start.check_optimizer_state`)."""
+    from nrl_tasks.stages.checkpoint import has_optimizer_state
+    from nrl_tasks.stages.errors import MissingOptimizerStateError
+
+    if has_optimizer_state(uri, info, run.storage_options):
+        return
+    raise MissingOptimizerStateError(
+        f"run {run.run_id!r}: recovery restored checkpoint {uri}, which holds no optimizer state (the run has "
+        "checkpointing.save_optimizer = false): training on would differ from an uninterrupted run, so the run "
+        f"stops here. To continue anyway, resume with `nrl resume {run.run_id} --fresh-optimizer` (recorded as "
+        "optimizer_reset in status.json and in the metrics line of the first step trained)"
+    )
 
 
 def _resave_checkpoint(run: RunContext, step: int, log: Any) -> None:
@@ -194,9 +218,14 @@ def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: d
         )
 
 
-def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy_fresh: bool = False, log: Any = None) -> dict[str, Any]:
+def recover(
+    run: RunContext, max_step: int, *, force_refit: bool = False, policy_fresh: bool = False, log: Any = None,
+    fresh_optimizer_at: int | None = None,
+) -> dict[str, Any]:
     """Probe, plan and execute: afterwards the policy holds the run's weights after its last
     trained step (at most ``max_step``) and the generation workers hold that version.
+    ``fresh_optimizer_at``: the checkpoint a ``--fresh-optimizer`` start may restore without
+    optimizer state; any other such restore that training follows stops the run (:func:`execute_plan`).
 
     A plan that restores a checkpoint is made from facts with the checkpoints' files checked;
     a checkpoint found damaged by the restore (its loaded weights) is counted as such and the
@@ -218,7 +247,9 @@ def recover(run: RunContext, max_step: int, *, force_refit: bool = False, policy
             plan = plan_resume(facts, health, force_refit=force_refit)
             verified = True
         try:
-            done = execute_plan(run, plan, log=log, verified=verified)
+            trains = bool(plan.replay) or facts.last_trained < max_step
+            required = trains and plan.restore_from != fresh_optimizer_at
+            done = execute_plan(run, plan, log=log, verified=verified, optimizer_required=required)
             break
         except CheckpointDamagedError as exc:
             if exc.step in damaged or exc.step != plan.restore_from:

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_STAGE_RETRIES",
     "DEFAULT_STAGE_RETRY_DELAY_S",
     "DamagedRunError",
+    "MissingOptimizerStateError",
     "NonFiniteTrainingError",
     "RefitFailedError",
     "StalePolicyError",
@@ -40,6 +41,11 @@ DEFAULT_STAGE_RETRY_DELAY_S: tuple[float, ...] = (1.0, 3.0)
 
 class DamagedRunError(ValueError):
     """Persisted data a resume or replay needs is damaged, missing or cannot be verified."""
+
+
+class MissingOptimizerStateError(DamagedRunError):
+    """A checkpoint restored to train on holds no optimizer state (``checkpointing.save_optimizer:
+    false``): the steps after it would silently differ from an uninterrupted run's. Never retried."""
 
 
 def _stale_weights_error() -> type:

@@ -60,3 +60,32 @@ def test_extending_a_run_saved_without_optimizer_state_is_refused_unless_fresh_o
         assert "optimizer_reset" not in lines[2], lines[2]
     finally:
         kill_run_actors(run_id)
+
+
+def test_an_actor_fault_that_would_restore_a_checkpoint_without_optimizer_state_stops_the_run(
+    prefect_harness, ray_session, tiny_model_dir, tmp_path
+):
+    """Inside a run too: the policy killed in ``train`` of step 3 makes the recovery restore
+    checkpoint 2, saved without optimizer state; the run stops (exit 1) naming
+    ``checkpointing.save_optimizer`` and ``--fresh-optimizer`` instead of training step 3 with a fresh
+    optimizer unannounced; ``nrl resume --fresh-optimizer`` then finishes it, recorded."""
+    root, run_id = str(tmp_path / "runs"), "no-opt-fault"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"checkpointing.save_optimizer": False})
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    try:
+        p = run_nrl(["grpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness,
+                    env_extra={"NRL_FAULT_KILL_ACTOR_AT": "policy:train@3", "NRL_PROBE_TIMEOUT_S": "3"})
+        out = p.stdout + p.stderr
+        assert p.returncode == 1, out[-3000:]
+        assert "checkpointing.save_optimizer" in out and f"nrl resume {run_id} --fresh-optimizer" in out, out[-3000:]
+        status = _status(root, run_id)
+        assert status["status"] == "failed" and "checkpointing.save_optimizer" in status["error"], status
+        assert not os.path.exists(os.path.join(root, run_id, "steps", "step_000003", "train", "_manifest.json"))
+
+        p = run_nrl(["resume", run_id, "--storage", root, "--fresh-optimizer"], prefect_harness)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        assert _status(root, run_id)["optimizer_reset"]["checkpoint_step"] == 2
+        assert _metrics(root, run_id)[3].get("optimizer_reset") is True
+    finally:
+        kill_run_actors(run_id)
