@@ -173,9 +173,14 @@ from nrl_tasks.config.data import DataConfig
 from nrl_tasks.stages.data import check_prompt_lengths, format_prompt, load_prompt_file, tokenize_prompts
 from nrl_tasks.stages.preferences import build_pair_batch, load_preference_file
 
+def peak_kb():  # this process's own peak RSS: VmHWM starts afresh at exec (ru_maxrss keeps the parent's)
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+
+
 model_dir, pref_path, prompt_path = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(model_dir)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kb()
 cfg = DataConfig(overlong_prompts="truncate")
 pairs = build_pair_batch(load_preference_file(pref_path), [0], tok, cfg, 64)
 prompts = load_prompt_file(prompt_path)
@@ -187,7 +192,7 @@ try:
     rejected = ""
 except ValueError as exc:
     rejected = str(exc)
-print(json.dumps({"before_kb": before, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+print(json.dumps({"before_kb": before, "peak_kb": peak_kb(),
                   "over": over, "lengths": lengths.tolist(), "pair_lengths": pairs["input_lengths"].tolist(),
                   "last_ids": ids[0, :64].tolist(), "rejected": rejected}))
 """
