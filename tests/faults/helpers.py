@@ -14,6 +14,15 @@ import torch
 ROLLOUT_TENSORS = ("input_ids", "input_lengths", "token_mask", "generation_logprobs", "seeds")
 
 
+def flip_byte(path: str, offset: int = 300) -> None:
+    """Damage a file in place: one byte at ``offset`` changed (what a bit rot or a torn write leaves)."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x55]))
+
+
 def checkpoint_bytes(root: str, run_id: str, step: int) -> dict[str, bytes]:
     """The safetensors files of ``checkpoints/step_N/weights`` (name -> bytes)."""
     d = os.path.join(root, run_id, "checkpoints", f"step_{step:06d}", "weights")

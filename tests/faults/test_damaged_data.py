@@ -17,18 +17,10 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.faults.helpers import assert_same_rollouts, checkpoint_bytes
+from tests.faults.helpers import assert_same_rollouts, checkpoint_bytes, flip_byte
 from tests.fixtures.grpo_runs import E2E_RUN_ID, kill_run_actors
 
 RUN_ID = "faults-damaged"
-
-
-def _flip_byte(path: str, offset: int = 300) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x55]))
 
 
 def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_path, capsys):
@@ -44,7 +36,7 @@ def test_damaged_shard_clear_error_then_recompute(e2e_run, prefect_harness, tmp_
     shutil.rmtree(os.path.join(root, RUN_ID, "evals"), ignore_errors=True)
     rollouts = os.path.join(root, RUN_ID, "steps", "step_000003", "rollouts")
     shard = os.path.join(rollouts, next(f for f in sorted(os.listdir(rollouts)) if f.endswith(".arrow")))
-    _flip_byte(shard)
+    flip_byte(shard)
 
     assert main(["resume", RUN_ID, "--storage", root]) == 2
     err = capsys.readouterr().err

@@ -188,24 +188,31 @@ def test_failed_flow_stops_its_local_ray(own_ray_config, prefect_harness):
         run.close()
 
 
+def _orphaned_by_sigkill(first: Any, root: str, run_id: str) -> tuple[str, list[dict[str, Any]], str]:
+    """After ``first`` (a flow without ``PREFECT_API_URL``) was SIGKILLed: its status still says
+    running, ``nrl runs`` reads it crashed, its ephemeral Prefect server is orphaned and still up.
+    Returns the crashed state text, the server records and the local Ray's session dir."""
+    from flows.run.state import list_runs
+
+    assert first.returncode == -9, first.output[-3000:]
+    status = _status(root, run_id)
+    pid = status["flow_process"]["pid"]
+    crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
+    assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
+    server = status["prefect_server"]
+    assert len(server) == 1 and psutil.pid_exists(server[0]["pid"]), status  # orphaned, still up
+    return crashed, server, status["local_ray"]["session_dir"]
+
+
 @pytest.mark.slow
 def test_sigkilled_flow_leftovers_are_stopped_by_resume(own_ray_config, capsys):
     """Also the ephemeral Prefect API server (no ``PREFECT_API_URL``): orphaned by the SIGKILL,
     stopped by the resume (it is among the tracked processes that must all be gone)."""
-    from flows.run.state import list_runs
-
     cfg, root = own_ray_config
     first = Nrl(["grpo", "--config", cfg, "--run-id", "killed"], None, NRL_FAULT_KILL_AT="train@1:after")
     second = None
     try:
-        assert first.returncode == -9, first.output[-3000:]
-        status = _status(root, "killed")
-        pid = status["flow_process"]["pid"]
-        crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
-        assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
-        server = status["prefect_server"]
-        assert len(server) == 1 and psutil.pid_exists(server[0]["pid"]), status  # orphaned, still up
-        session1 = status["local_ray"]["session_dir"]
+        crashed, server, session1 = _orphaned_by_sigkill(first, root, "killed")
         before = _left(first.tracked, session1, wait_s=0)  # what Ray itself has not stopped (yet)
         second = Nrl(["resume", "killed", "--storage", root], None)
         out = second.output
@@ -283,20 +290,11 @@ def test_sigkilled_dpo_flow_leftovers_are_stopped_by_resume(own_ray_dpo_config):
     its ephemeral Prefect API server and what is left of its local Ray; ``nrl runs`` shows it
     crashed (not ``running?``), and ``nrl resume`` stops them and completes: no process the two
     commands started is left."""
-    from flows.run.state import list_runs
-
     cfg, root = own_ray_dpo_config
     first = Nrl(["dpo", "--config", cfg, "--run-id", "dpo-killed"], None, NRL_FAULT_KILL_AT="dpo_train@1:after")
     second = None
     try:
-        assert first.returncode == -9, first.output[-3000:]
-        status = _status(root, "dpo-killed")
-        pid = status["flow_process"]["pid"]
-        crashed = f"crashed (flow process {pid} on {status['flow_process']['host']} is gone)"
-        assert status["status"] == "running" and [r["state"] for r in list_runs(root)] == [crashed]
-        server = status["prefect_server"]
-        assert len(server) == 1 and psutil.pid_exists(server[0]["pid"]), status  # orphaned, still up
-        session1 = status["local_ray"]["session_dir"]
+        _, server, session1 = _orphaned_by_sigkill(first, root, "dpo-killed")
         second = Nrl(["resume", "dpo-killed", "--storage", root], None)
         out = second.output
         assert second.returncode == 0, out[-3000:]

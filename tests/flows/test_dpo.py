@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests.faults.helpers import run_nrl, train_checksum
+from tests.faults.helpers import flip_byte, run_nrl, train_checksum
 from tests.fixtures.grpo_runs import REPO, kill_run_actors
 
 RUN_ID = "dpo-tiny"
@@ -243,14 +243,6 @@ def test_nrl_dpo_preflight_refuses_a_bad_preference_file_before_anything_starts(
     assert started == [] and not (root / "d1").exists()
 
 
-def _flip_byte(path: str, offset: int = 300) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x55]))
-
-
 def _shard(dataset_dir: str) -> str:
     return os.path.join(dataset_dir, next(f for f in sorted(os.listdir(dataset_dir)) if f.endswith(".arrow")))
 
@@ -279,7 +271,7 @@ def test_damaged_dpo_data_is_found_before_start_and_made_again_on_resume(dpo_run
     step = lambda s, d: os.path.join(run, "steps", f"step_{s:06d}", d)  # noqa: E731
 
     train7 = _shard(step(7, "train"))
-    _flip_byte(train7, 100)
+    flip_byte(train7, 100)
     assert main(["resume", run_id, "--storage", root]) == 2
     err = capsys.readouterr().err
     assert train7 in err and "cannot be recomputed" in err, err
@@ -287,7 +279,7 @@ def test_damaged_dpo_data_is_found_before_start_and_made_again_on_resume(dpo_run
 
     damaged = [_shard(step(7, "pairs")), _shard(step(8, "reference")), _shard(os.path.join(run, "data", "preferences"))]
     for shard in damaged:
-        _flip_byte(shard)
+        flip_byte(shard)
     try:
         assert main(["resume", run_id, "--storage", root]) == 0, capsys.readouterr().err[-3000:]
     finally:
