@@ -42,6 +42,8 @@ __all__ = ["MAX_RUN_TAGS", "eval_sweep", "evaluate_checkpoint", "load_run_config
 
 #: ``run:<run_id>`` tags an eval flow run carries at most
 MAX_RUN_TAGS = 20
+#: listings of a run's checkpoints a sweep makes while checkpoints vanish before it holds them
+_HOLD_ROUNDS = 3
 
 
 def load_run_config(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> MasterConfig:
@@ -77,6 +79,56 @@ def _run_info(root: str, run_id: str) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the view then names no flow run
         status = {}
     return {"flow_run_id": status.get("flow_run_id"), "run_uri": layout.run_uri, "ui_url": get_current_settings().ui_url}
+
+
+def _hold_pending(
+    layout: RunLayout, dataset: str | None, out: dict[str, list[Any]], opts: dict[str, Any] | None,
+) -> tuple[list[tuple[int, str]], dict[str, Any]]:
+    """Hold every committed checkpoint of the run that has no evaluation on ``dataset`` yet, at once
+    when listed: a run with tight retention (``keep_last_k=1``, ``save_period=1``) deletes a
+    checkpoint one step after writing it, sooner than an evaluation that claims it only when its
+    turn comes (after loading the prompts and starting Ray) could hold it. A checkpoint that went
+    between the listing and its hold is dropped and the run listed again (a newer one has come),
+    at most :data:`_HOLD_ROUNDS` times; what is still gone then is reported as vanished.
+    Returns the checkpoints to evaluate, oldest first, and their holds (released by the caller)."""
+    import storage as _st
+
+    from nrl_tasks.stages.checkpoint import is_checkpoint_committed, list_checkpoints
+    from nrl_tasks.stages.evaluate import _eval_key
+    from nrl_tasks.stages.holds import hold_checkpoint, is_deleting
+
+    holds: dict[str, Any] = {}
+    pending: dict[str, int] = {}
+    seen: set[str] = set()  # evaluated already, or gone before its hold
+    gone: list[str] = []
+    try:
+        for _ in range(_HOLD_ROUNDS):
+            lost = False
+            for step, ck_uri in list_checkpoints(layout.checkpoints_uri, opts):
+                name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
+                if name in pending or name in seen:
+                    continue
+                seen.add(name)
+                if _st.is_committed(join_uri(layout.eval_uri(name), _eval_key(dataset)), storage_options=opts):
+                    out["skipped"].append(f"{layout.run_id}/{name}")
+                    continue
+                hold = hold_checkpoint(layout, name, opts)  # first the hold, then the check (holds.py's order)
+                if is_deleting(layout, name, opts) or not is_checkpoint_committed(ck_uri, opts):
+                    hold.release()
+                    gone.append(name)
+                    lost = True
+                    continue
+                holds[name], pending[name] = hold, step
+            if not lost:
+                break
+    except BaseException:
+        for hold in holds.values():
+            hold.release()
+        raise
+    for name in gone:
+        out["vanished"].append(f"{layout.run_id}/{name}")
+        get_run_logger().warning("eval sweep: skipped %s/%s: deleted by retention before it could be held", layout.run_id, name)
+    return sorted(((s, n) for n, s in pending.items())), holds
 
 
 def _records(cfg: MasterConfig, run_id: str, dataset: str | None, max_prompts: int | None) -> list[dict[str, str]]:
@@ -248,36 +300,37 @@ def _sweep_checkpoints(
     cfg: MasterConfig, root: str, run_id: str, dataset: str | None, num_samples: int, max_prompts: int | None,
     out: dict[str, list[Any]],
 ) -> list[dict[str, Any]]:
-    import storage as _st
-
     from flows.run.ray_session import connect_ray
-    from nrl_tasks.stages.checkpoint import list_checkpoints
-    from nrl_tasks.stages.evaluate import _eval_key, evaluate
+    from nrl_tasks.stages.evaluate import evaluate
 
     logger = get_run_logger()
     layout = RunLayout(root, run_id)
     recs = None
     done: list[tuple[int, Mapping[str, Any]]] = []
-    for _step, ck_uri in list_checkpoints(layout.checkpoints_uri):
-        name = ck_uri.rstrip("/").rsplit("/", 1)[-1]
-        label_ck = f"{run_id}/{name}"
-        if _st.is_committed(join_uri(layout.eval_uri(name), _eval_key(dataset))):
-            out["skipped"].append(label_ck)
-            continue
-        recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
-        connect_ray(cfg)
-        res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
-        if res.get("vanished"):
-            out["vanished"].append(label_ck)
-            logger.warning("eval sweep: skipped %s: the checkpoint vanished (%s)", label_ck, res.get("reason"))
-        elif res.get("busy"):
-            out["busy"].append(label_ck)
-            logger.info("eval sweep: skipped %s: another evaluation of it is running", label_ck)
-        elif res.get("skipped"):
-            out["skipped"].append(label_ck)  # committed by another sweep meanwhile
-        else:
-            out["evaluated"].append(label_ck)
-            done.append((_step, res))
-            logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+    pending, holds = _hold_pending(layout, dataset, out, cfg.storage.storage_options or None)
+    try:
+        for _step, name in pending:
+            label_ck = f"{run_id}/{name}"
+            recs = recs if recs is not None else _records(cfg, run_id, dataset, max_prompts)
+            connect_ray(cfg)
+            try:
+                res = evaluate(cfg, run_id, name, recs, dataset=dataset, num_samples=num_samples)
+            finally:
+                holds.pop(name).release()  # evaluated (or not): retention may have it from here
+            if res.get("vanished"):
+                out["vanished"].append(label_ck)
+                logger.warning("eval sweep: skipped %s: the checkpoint vanished (%s)", label_ck, res.get("reason"))
+            elif res.get("busy"):
+                out["busy"].append(label_ck)
+                logger.info("eval sweep: skipped %s: another evaluation of it is running", label_ck)
+            elif res.get("skipped"):
+                out["skipped"].append(label_ck)  # committed by another sweep meanwhile
+            else:
+                out["evaluated"].append(label_ck)
+                done.append((_step, res))
+                logger.info("evaluated %s: accuracy %s pass@k %s", label_ck, res.get("eval_accuracy"), res.get("eval_pass_at_k"))
+    finally:
+        for hold in holds.values():
+            hold.release()
     report_to_trackers(cfg, run_id, done)
     return _eval_rows(root, run_id, None)

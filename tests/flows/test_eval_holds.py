@@ -111,3 +111,64 @@ def test_two_concurrent_sweeps_evaluate_each_checkpoint_once(eval_run):
         assert r["vanished"] == []
     rows = _eval_rows(eval_run["root"], RUN_ID, None)
     assert sorted(row["checkpoint"] for row in rows) == list(CHECKPOINTS)
+
+
+def _commit_checkpoint(layout, tiny_model_dir: str, step: int) -> None:
+    """What the training flow's checkpoint stage leaves: weights, then ``checkpoint.json``."""
+    ck = os.path.join(layout.checkpoints_uri, f"step_{step:06d}")
+    shutil.copytree(tiny_model_dir, os.path.join(ck, "weights"))
+    with open(os.path.join(ck, "checkpoint.json"), "w", encoding="utf-8") as fh:
+        json.dump({"run_id": RUN_ID, "step": step, "weights_version": step}, fh)
+
+
+def test_tight_retention_between_listing_and_evaluation_keeps_the_listed_checkpoints(eval_run, monkeypatch):
+    """Issue 27 (10b): with ``keep_last_k=1`` and ``save_period=1`` the training flow deletes a
+    checkpoint one step after writing it. The sweep holds what it lists at once, so retention
+    running before the evaluation starts (while the sweep loads prompts and starts Ray) keeps it."""
+    from flows.algorithms import evaluate as ev
+    from flows.run.retention import RetentionPolicy, apply_retention
+
+    layout, pol = eval_run["layout"], RetentionPolicy(keep_last_n_checkpoints=1)
+    real, during = ev._records, []
+
+    def training_goes_on(*args, **kwargs):
+        during.append(apply_retention(layout, pol, last_trained=4))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "_records", training_goes_on)
+    res = ev.eval_sweep(RUN_ID, storage=eval_run["root"], num_samples=1, max_prompts=2)
+    assert during[0]["held_checkpoints"] == [2] and during[0]["deleted_checkpoints"] == []
+    assert res["evaluated"] == [f"{RUN_ID}/{ck}" for ck in CHECKPOINTS] and res["vanished"] == []
+    assert _committed_evals(layout) == list(CHECKPOINTS)
+    assert os.listdir(os.path.join(layout.run_uri, "holds")) == []  # every hold released
+    assert apply_retention(layout, pol, last_trained=4)["deleted_checkpoints"] == [2]
+
+
+def test_checkpoints_deleted_before_their_hold_make_the_sweep_list_again(eval_run, tiny_model_dir, monkeypatch):
+    """A checkpoint that goes between the listing and its hold is reported vanished, and the sweep
+    lists the run again: the newer checkpoint written meanwhile is held and evaluated."""
+    from flows.algorithms import evaluate as ev
+    from flows.run.retention import RetentionPolicy, apply_retention
+    from nrl_tasks.stages import holds
+
+    layout, pol = eval_run["layout"], RetentionPolicy(keep_last_n_checkpoints=1)
+    real = holds.hold_checkpoint
+
+    def a_step_trains_first(lay, name, *args, **kwargs):
+        if name == "step_000002" and not os.path.exists(os.path.join(layout.checkpoints_uri, "step_000006")):
+            _commit_checkpoint(layout, tiny_model_dir, 6)
+            apply_retention(layout, pol, last_trained=6)  # deletes steps 2 and 4, held by nobody yet
+        return real(lay, name, *args, **kwargs)
+
+    monkeypatch.setattr(holds, "hold_checkpoint", a_step_trains_first)
+    res = ev.eval_sweep(RUN_ID, storage=eval_run["root"], num_samples=1, max_prompts=2)
+    assert res["vanished"] == [f"{RUN_ID}/step_000002", f"{RUN_ID}/step_000004"]
+    assert res["evaluated"] == [f"{RUN_ID}/step_000006"]
+    assert storage_committed(layout, "step_000006")
+    assert os.listdir(os.path.join(layout.run_uri, "holds")) == []
+
+
+def storage_committed(layout, checkpoint: str) -> bool:
+    import storage
+
+    return storage.is_committed(os.path.join(layout.eval_uri(checkpoint), "val"))
