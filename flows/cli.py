@@ -189,7 +189,7 @@ def resume(
     if cfg.dpo is not None:
         from flows.algorithms.dpo import dpo as dpo_flow
 
-        return run_flow(lambda: dpo_flow(**kwargs), layout)
+        return run_flow(lambda: dpo_flow(**kwargs, fresh_optimizer=fresh_optimizer), layout)
     from flows.algorithms.grpo import grpo as grpo_flow
 
     return run_flow(lambda: grpo_flow(**kwargs, recompute=recompute or None, fresh_optimizer=fresh_optimizer), layout)

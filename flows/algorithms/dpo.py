@@ -129,6 +129,8 @@ def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]
             if step > last or step not in have_lines:  # the last trained step's line may be missing
                 row = dpo_metrics_line(step, {"pairs": pairs, "reference": reference, "train": trained}, ck,
                                        time.perf_counter() - t0)
+                if session.start.optimizer_reset is not None and step == last + 1:  # the first step trained fresh
+                    row["optimizer_reset"] = True
                 rows = upsert_metrics(layout.metrics_uri, row, opts)
                 line = (f"[{run.run_id}] dpo step {step}/{total} loss {row['loss']:.4f} accuracy {row['accuracy']:.3f} "
                         f"margin {row['rewards_margin_mean']:.4f} | step {row['step_s']:.2f}s")
@@ -152,10 +154,15 @@ def dpo(
     overrides: list[str] | None = None,
     storage: str | None = None,
     take_over: bool = False,
+    fresh_optimizer: bool = False,
 ) -> dict[str, Any]:
     """Train with DPO (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
     "last_step", "checkpoints", "final_metrics", "first_step", "restored"}`` (``restored``: where the
-    weights came from and the steps replayed)."""
+    weights came from and the steps replayed).
+
+    ``fresh_optimizer``: with ``resume``, restore a checkpoint saved without optimizer state
+    (``checkpointing.save_optimizer: false``; refused otherwise) and train on with a fresh
+    optimizer, recorded as ``optimizer_reset`` in ``status.json`` and the metrics line."""
     from nrl_tasks.stages.checkpoint import list_checkpoints
     from nrl_tasks.stages.preferences import snapshot_preferences
     from storage import delete_batch  # (``storage`` is this flow's parameter)
@@ -165,7 +172,7 @@ def dpo(
     if cfg.dpo is None:
         raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
     run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
-    intent = RunIntent(resume=resume, take_over=take_over)
+    intent = RunIntent(resume=resume, take_over=take_over, fresh_optimizer=fresh_optimizer)
     with run_session(cfg, run_id, algorithm="dpo", intent=intent, log=log) as session:
         layout, opts = session.layout, session.storage_options
         for uri in session.start.rebuild:  # damaged, made again below and by the steps (the same bytes)

@@ -18,7 +18,7 @@ For a run that is continued (``resume``; an SFT warm start whose run exists) it:
    (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
    actors are gone. The flow then plans again with the actors it finds (live ones on a kept Ray
    may be reused: :func:`flows.run.recovery.recover`); DPO restores its anchor and replays after it;
-5. refuses (GRPO) a resume that would train on from a checkpoint holding no optimizer state
+5. refuses (GRPO and DPO) a resume that would train on from a checkpoint holding no optimizer state
    (saved with ``checkpointing.save_optimizer: false``): a fresh optimizer makes the next steps
    differ from an uninterrupted run. ``fresh_optimizer=True`` (``nrl resume RUN --fresh-optimizer``)
    continues anyway; the plan then says so (:attr:`StartPlan.optimizer_reset`) and the flow records
@@ -105,27 +105,37 @@ def check_not_rewound(cfg: MasterConfig, layout: RunLayout, algorithm: str) -> N
 
 
 def check_optimizer_state(
-    cfg: MasterConfig, layout: RunLayout, facts: RunFacts, plan: ResumePlan, *, fresh_optimizer: bool
+    cfg: MasterConfig, layout: RunLayout, restore_from: int | None, *, replay: tuple[int, ...], trains: bool,
+    fresh_optimizer: bool,
 ) -> int | None:
-    """The checkpoint step ``plan`` restores without an optimizer state when training follows
-    (a replay, or steps left below ``grpo.max_num_steps``); ``None`` when there is none.
+    """The checkpoint step ``restore_from`` when it holds no optimizer state and training follows
+    its restore (``replay``: the trained steps replayed on it; ``trains``: steps replayed, or steps
+    left below the run's ``max_num_steps``); ``None`` when there is none.
 
     ``ConfigError`` naming ``checkpointing.save_optimizer`` and ``--fresh-optimizer`` for such a
     checkpoint unless ``fresh_optimizer``: its next steps would silently differ from an
-    uninterrupted run's (weights, rollouts, loss)."""
+    uninterrupted run's (weights, rollouts, loss). With ``fresh_optimizer`` too when steps were
+    trained after the checkpoint: a replay must reproduce their recorded weights, which a fresh
+    optimizer cannot (the run refuses there rather than failing after start-up)."""
     from nrl_tasks.stages.checkpoint import has_optimizer_state, read_checkpoint_info
 
-    step = plan.restore_from
-    trains = bool(plan.replay) or facts.last_trained < cfg.grpo.max_num_steps
+    step = restore_from
     if not step or not trains:
         return None
     opts = cfg.storage.storage_options or None
     uri = layout.checkpoint_uri(step)
     if has_optimizer_state(uri, read_checkpoint_info(uri, opts), opts):
         return None
+    run_id = layout.run_id
+    if fresh_optimizer and replay:
+        raise ConfigError(
+            f"run {run_id!r}: --fresh-optimizer cannot continue from checkpoint {uri} (step {step}): "
+            f"{_steps(replay)} trained after it, and replaying must reproduce the recorded weights, "
+            "which needs the optimizer state the checkpoint lacks (checkpointing.save_optimizer = false); nothing "
+            "was started. Start a new run (its config with checkpointing.save_optimizer: true)"
+        )
     if fresh_optimizer:
         return step
-    run_id = layout.run_id
     raise ConfigError(
         f"run {run_id!r}: checkpoint {uri} (step {step}) holds no optimizer state (the run has "
         "checkpointing.save_optimizer = false), so training on from it with a fresh optimizer would differ "
@@ -135,13 +145,17 @@ def check_optimizer_state(
     )
 
 
+def _steps(steps: tuple[int, ...]) -> str:
+    return f"step {steps[0]} was" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} were"
+
+
 def plan_start(
     cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None,
     fresh_optimizer: bool = False,
 ) -> StartPlan:
     """Check and plan the start of run ``layout.run_id`` (see the module docstring).
 
-    ``fresh_optimizer``: train on from a checkpoint without optimizer state (GRPO; refused otherwise).
+    ``fresh_optimizer``: train on from a checkpoint without optimizer state (refused otherwise).
 
     ``ConfigError`` / ``ValueError`` / ``DamagedRunError`` with one clear message when it is refused."""
     specs = parse_recompute(recompute)
@@ -173,8 +187,15 @@ def plan_start(
         rebuild = dpo_repairs(cfg, layout, opts, window=(window.anchor, window.last_trained))
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
     plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    reset = None
     if algorithm == "grpo":
         restores = plan or plan_resume(facts, FRESH_ACTORS, force_refit=True)
-        reset = check_optimizer_state(cfg, layout, facts, restores, fresh_optimizer=fresh_optimizer)
+        trains = bool(restores.replay) or facts.last_trained < cfg.grpo.max_num_steps
+        reset = check_optimizer_state(cfg, layout, restores.restore_from, replay=tuple(restores.replay), trains=trains,
+                                      fresh_optimizer=fresh_optimizer)
+    else:  # DPO restores its anchor and replays the trained steps after it (flows.algorithms.dpo)
+        assert cfg.dpo is not None
+        replay = tuple(range(facts.anchor + 1, facts.last_trained + 1))
+        trains = bool(replay) or facts.last_trained < cfg.dpo.max_num_steps
+        reset = check_optimizer_state(cfg, layout, facts.anchor, replay=replay, trains=trains,
+                                      fresh_optimizer=fresh_optimizer)
     return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan, optimizer_reset=reset, rebuild=rebuild)

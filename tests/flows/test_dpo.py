@@ -314,3 +314,50 @@ def test_nrl_resume_of_a_dpo_run_runs_its_preflight(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert all(w in err for w in ("data.train_path", str(pairs), "line 2", "missing field 'chosen'")), err
     assert started == [] and sorted(os.listdir(os.path.join(root, "d2"))) == ["config.yaml"]
+
+
+@pytest.mark.slow  # a killed whole-flow run and its resume
+def test_dpo_resume_without_optimizer_state_is_refused_unless_fresh_optimizer(
+    dpo_run, tmp_path, capsys, prefect_harness, ray_session, tiny_model_dir
+):
+    """Issue 27, item 1 for DPO: a run saved with ``checkpointing.save_optimizer: false`` and killed
+    in step 5 (checkpoint 3, step 4 trained) is refused by ``nrl resume`` (exit 2, naming the key
+    and ``--fresh-optimizer``) and by ``--fresh-optimizer`` too (step 4's replay must reproduce its
+    recorded weights). Where nothing is replayed (a kill before step 4's update was committed),
+    ``--fresh-optimizer`` trains on and records ``optimizer_reset``: steps 1-3 keep the reference
+    run's weights, step 4 on does not (a fresh optimizer)."""
+    import storage
+    from flows.cli import main
+
+    root, run_id = str(tmp_path / "runs"), "dpo-no-opt"
+    cfg = _config(tmp_path, tiny_model_dir, root, ray_session)
+    cfg["checkpointing"]["save_optimizer"] = False
+    cfg_path = tmp_path / "dpo.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    try:
+        p = run_nrl(["dpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness, kill_at="dpo_train@5:during")
+        assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
+        kill_run_actors(run_id)
+        assert main(["resume", run_id, "--storage", root]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "checkpointing.save_optimizer" in err and f"nrl resume {run_id} --fresh-optimizer" in err, err
+        assert main(["resume", run_id, "--storage", root, "--fresh-optimizer"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "step 4 was trained after it" in err and "checkpointing.save_optimizer" in err, err
+        assert not storage.is_committed(os.path.join(root, run_id, "steps", "step_000005", "train"))
+
+        storage.delete_batch(os.path.join(root, run_id, "steps", "step_000004", "train"))  # as a kill before it left it
+        assert main(["resume", run_id, "--storage", root, "--fresh-optimizer"]) == 0, capsys.readouterr().err[-3000:]
+    finally:
+        kill_run_actors(run_id)
+    with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
+        status = json.load(fh)
+    assert status["status"] == "completed"
+    assert status["optimizer_reset"]["checkpoint_step"] == 3 and status["optimizer_reset"]["first_step"] == 4, status
+    from flows.observe.metrics import read_metrics
+
+    lines = {r["step"]: r for r in read_metrics(os.path.join(root, run_id, "metrics.jsonl"))}
+    assert lines[4].get("optimizer_reset") is True and all("optimizer_reset" not in lines[s] for s in STEPS if s != 4)
+    ref = dpo_run["root"]
+    same = [train_checksum(root, run_id, s) == train_checksum(ref, RUN_ID, s) for s in STEPS]
+    assert same == [True] * 3 + [False] * 5, same
