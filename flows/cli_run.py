@@ -50,6 +50,18 @@ class _StopSignals:
             signal.signal(signum, handler)
 
 
+def _signal_in(exc: BaseException) -> int | None:
+    """The signal a ``TerminationSignal`` in ``exc``'s chain stands for. During a flow run Prefect's
+    own SIGTERM handler replaces ours and re-sends the signal to ours only when a bare
+    ``TerminationSignal`` leaves the flow; one raised while C code ran (inside ``ray.get``) leaves
+    as ``SystemError: <built-in method ...> returned a result with an exception set`` caused by it."""
+    from prefect.exceptions import TerminationSignal
+
+    from nrl_tasks.stages.errors import exception_chain
+
+    return next((e.signal for e in exception_chain(exc) if isinstance(e, TerminationSignal)), None)
+
+
 def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
     """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
     ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
@@ -67,6 +79,7 @@ def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
 
             held = lease_refusal(exc)
             print(f"nrl: {held}" if held is not None else hint, file=sys.stderr)
+            signals.received = signals.received or _signal_in(exc)
             if signals.received == signal.SIGTERM:
                 print(f"nrl: run {layout.run_id} stopped by SIGTERM", file=sys.stderr)
             elif signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):

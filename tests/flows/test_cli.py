@@ -236,3 +236,32 @@ def test_a_run_that_cannot_go_on_fails_with_exit_1_and_commits_no_train(
     with open(tmp_path / "runs" / "r" / "status.json", encoding="utf-8") as fh:
         assert json.load(fh)["status"] == "failed"
     assert not (tmp_path / "runs" / "r" / "steps" / "step_000001" / "train" / "_manifest.json").exists()
+
+
+def test_sigterm_that_surfaces_as_another_error_still_exits_143(prefect_harness, tmp_path, capsys):
+    """Issue 27 (6e): during a flow run Prefect's SIGTERM handler replaces nrl's; a signal landing in
+    C code (inside ``ray.get``) leaves the flow as a ``SystemError`` caused by Prefect's
+    ``TerminationSignal``, which Prefect does not pass on to nrl's handler: the run exited 1 as
+    failed. It is a SIGTERM: 143, "stopped by SIGTERM"."""
+    import os
+    import signal
+    import time
+
+    from prefect import flow
+    from prefect.exceptions import TerminationSignal
+
+    from flows.cli_run import EXIT_SIGTERM, run_flow
+    from nrl_tasks.run_layout import RunLayout
+
+    @flow(name="sigterm-in-c-call", persist_result=False)
+    def stage() -> dict:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # Prefect's handler raises TerminationSignal here
+            time.sleep(30)
+        except TerminationSignal as exc:  # what CPython makes of it when it is raised inside a C call
+            raise SystemError("<built-in method __new__ of type object at 0x1> returned a result with an exception set") from exc
+        return {}
+
+    assert run_flow(stage, RunLayout(str(tmp_path), "r")) == EXIT_SIGTERM
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "nrl: run r stopped by SIGTERM", err
