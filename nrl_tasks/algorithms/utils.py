@@ -191,13 +191,15 @@ def compute_grpo_advantages(
     *,
     leave_one_out_baseline: bool = True,
     normalize_rewards: bool = True,
+    std_epsilon: float = 1e-6,
 ) -> Tensor:
-    """GRPO advantage per sample: ``A_i = (r_i - baseline_i) / (std_i + 1e-6)``.
+    """GRPO advantage per sample: ``A_i = (r_i - baseline_i) / (std_i + std_epsilon)``.
 
     Group-relative advantage of DeepSeekMath's GRPO (https://arxiv.org/abs/2402.03300) with the
     RLOO leave-one-out baseline by default. The division happens only where ``std > 0`` (and
     only when ``normalize_rewards``), so a group whose rewards are all equal gets 0. Invalid
-    samples (``valid_mask`` 0 or a non-finite reward) get exactly 0.
+    samples (``valid_mask`` 0 or a non-finite reward) get exactly 0. ``std_epsilon``: NeMo-RL's 1e-6
+    by default; TRL's ``GRPOTrainer`` adds 1e-4 (``grpo.adv_estimator.std_epsilon``).
 
     Returns ``[B]`` in ``rewards``' dtype (float32 for non-float rewards); broadcast it over
     the response tokens as ``advantages[:, None] * token_mask`` for the loss.
@@ -211,18 +213,18 @@ def compute_grpo_advantages(
     base64, std64 = _baseline_and_std64(prompts, rewards, valid_mask, leave_one_out_baseline)
     baseline, std = base64.to(rewards.dtype), std64.to(rewards.dtype)
     valid = valid_mask.to(rewards.device).bool() & torch.isfinite(rewards)
-    advantages = _advantages(rewards, baseline, std, valid, normalize_rewards)
+    advantages = _advantages(rewards, baseline, std, valid, normalize_rewards, std_epsilon)
     # rewards near float32's limits (say 3e38 and -3e38): ``r - baseline`` or the std overflow
     # float32 (inf, then inf/inf = NaN); those samples are computed in float64 and rounded once
     wide = valid & ~(torch.isfinite(rewards - baseline) & torch.isfinite(std))
     if bool(wide.any()):
-        exact = _advantages(rewards.detach().to(torch.float64), base64, std64, valid, normalize_rewards)
+        exact = _advantages(rewards.detach().to(torch.float64), base64, std64, valid, normalize_rewards, std_epsilon)
         advantages = torch.where(wide, exact.to(rewards.dtype), advantages)
     return advantages.detach()
 
 
-def _advantages(rewards: Tensor, baseline: Tensor, std: Tensor, valid: Tensor, normalize: bool) -> Tensor:
+def _advantages(rewards: Tensor, baseline: Tensor, std: Tensor, valid: Tensor, normalize: bool, eps: float) -> Tensor:
     advantages = torch.where(valid, rewards - baseline, torch.zeros_like(rewards))
     if normalize:
-        advantages = torch.where(std > 0, advantages / (std + 1e-6), advantages)
+        advantages = torch.where(std > 0, advantages / (std + eps), advantages)
     return advantages

@@ -74,6 +74,7 @@ def compute_advantages(
             valid.to(torch.float32),
             leave_one_out_baseline=False if dr else grpo_cfg.use_leave_one_out_baseline,
             normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
+            std_epsilon=est.std_epsilon if est is not None else 1e-6,
         ).to(torch.float32)
     out = {"advantages": adv, "sample_mask": valid.to(torch.float32)}
     if loss_cfg is not None and loss_cfg.positive_example_nll_weight > 0:
