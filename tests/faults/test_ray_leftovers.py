@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -31,84 +29,7 @@ import pytest
 import yaml
 
 from tests.fixtures.grpo_runs import REPO, tiny_run_config
-from tests.fixtures.processes import alive
-
-FAULT_VARS = ("NRL_FAULT_KILL_AT", "NRL_FAULT_KILL_ACTOR_AT", "NRL_FAULT_REFIT_PARTIAL", "NRL_KEEP_ACTORS", "RAY_ADDRESS")
-
-
-
-#: ``flows.cli.main(ARGV)`` in a process that stays alive afterwards until its stdin closes
-HELD_CLI = "import sys; from flows.cli import main; rc = main(sys.argv[1:]); print('NRL-DONE', rc, flush=True); sys.stdin.read()"
-
-
-class Nrl:
-    """``nrl ARGS`` in a fresh process with its own local Ray (no Ray address); every descendant
-    is tracked while it runs. ``hold=True``: the process stays alive after the command returns
-    (``returncode`` is then the command's) until :meth:`close`."""
-
-    def __init__(
-        self, args: list[str], api_url: str | None, *, hold: bool = False, until: Any = None, **fault_env: str
-    ) -> None:
-        """``api_url=None``: no ``PREFECT_API_URL`` (the flow process runs Prefect's ephemeral API
-        server); ``until(self)``: return as soon as it is true (the process still runs)."""
-        import threading
-
-        env = {k: v for k, v in os.environ.items() if k not in FAULT_VARS + ("PREFECT_API_URL",)}
-        env.update(**fault_env)
-        if api_url is not None:
-            env["PREFECT_API_URL"] = api_url
-        cmd = [sys.executable, "-c", HELD_CLI, *args] if hold else [sys.executable, "-m", "flows.cli", *args]
-        self.args = args
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.tracked: set[psutil.Process] = set()
-        self.lines: list[str] = []
-        self.returncode: int | None = None
-        self._root = psutil.Process(self.proc.pid)
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
-        self.wait(until)
-
-    def wait(self, until: Any = None, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.proc.poll() is None and time.monotonic() < deadline and not self.done:
-            try:
-                self.tracked.update(self._root.children(recursive=True))
-            except psutil.Error:
-                pass
-            if until is not None and until(self):
-                return
-            time.sleep(0.2)
-        args = self.args
-        if self.proc.poll() is not None:
-            self._reader.join(timeout=10)
-        if self.done:
-            self.returncode = int(self.done.split()[1])
-        elif self.proc.poll() is None:
-            self.close()
-            raise AssertionError(f"nrl {args} did not finish:\n{self.output[-3000:]}")
-        else:
-            self.returncode = self.proc.returncode
-
-    @property
-    def done(self) -> str | None:
-        return next((ln for ln in list(self.lines) if ln.startswith("NRL-DONE")), None)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        _kill(self.tracked)
-
+from tests.fixtures.processes import Nrl, alive
 
 def _session_procs(session_dir: str) -> list[psutil.Process]:
     """Processes whose command line names ``session_dir`` or that hold a file open under it."""
@@ -146,15 +67,6 @@ def _left(tracked: set[psutil.Process], session_dir: str, wait_s: float = 15.0, 
 def _status(root: str, run_id: str) -> dict[str, Any]:
     with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
         return json.load(fh)
-
-
-def _kill(procs: set[psutil.Process]) -> None:
-    for p in procs:
-        if alive(p):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
 
 
 @pytest.fixture
