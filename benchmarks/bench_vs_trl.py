@@ -1,0 +1,261 @@
+"""Against TRL, side by side: the same task, model, prompts, seeds and budget through TRL's GRPOTrainer and `nrl grpo`.
+
+    python -m benchmarks.bench_vs_trl [--quick] [--seeds 0 1 2] [--steps 25] [--val 200] [--json F] [key=value ...]
+
+Not part of CI (minutes per run on 2 cores). For each seed, TRL 1.16's ``GRPOTrainer`` (from its own
+venv ``.venv-trl``, built by ``.ci/trl_venv.sh`` when missing, run as ``benchmarks/_trl_driver.py`` in a
+subprocess: the project never imports TRL) and this project's ``nrl grpo --config
+configs/grpo_smollm2_vs_trl.yaml`` (a subprocess too, so both are measured alike) train
+SmolLM2-135M-Instruct (``builtin:smollm2``: the same local folder for both, no download) on
+single-digit multiplication with the chat template (SmolLM2's default system line), 16 new tokens,
+8 prompts x 4 samples, temperature 1, top-p 1, lr 5e-6 constant, AdamW without weight decay, clip
+1.0, KL 0, one optimizer step per batch, TRL's advantage and ``dapo`` loss (the preset's math is held
+to TRL's by ``tests/algorithms/test_trl_loss.py``), reward 1 when the first integer of the
+completion is the product. TRL gets this project's prompts in this project's order (8 per step,
+``shuffle_dataset=False``) and checks that it tokenises them to the same ids.
+
+Reported per system and seed: held-out greedy accuracy before and after (the same ``--val`` prompts),
+the training reward per step, the median step time (steps 2..N; ours without the validation) split
+into generate / logprob / train / refit / other stages / orchestration for ours and generate / the
+rest for TRL, generated tokens per second, peak memory (summed RSS of the system's process tree,
+Ray actors and the Prefect server included for ours, sampled every 0.25 s) and the ratios side by side,
+with the load average at start and end, and every difference that remains between the two.
+``--quick``: the tiny built-in model (``builtin:tiny``, the tests' model kit), 2 steps, 1 seed, 16
+held-out prompts: a smoke run, not a result. ``--json F`` writes everything measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks._common import quiet_env
+from benchmarks._vs_trl_report import DIFFERENCES, print_report
+
+CONFIG = "configs/grpo_smollm2_vs_trl.yaml"
+TRL_VENV = ".venv-trl"
+QUICK = ["policy.model_name=builtin:tiny", "policy.torch_num_threads=1", "generation.torch_num_threads=1"]
+
+
+class TreeMemory:
+    """Peak of the summed RSS of a process and its descendants, sampled on a thread (psutil)."""
+
+    def __init__(self, pid: int, period_s: float = 0.25) -> None:
+        import threading
+
+        self.pid, self.period_s = pid, period_s
+        self.peak_mb, self.by_name = 0.0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        while not self._stop.is_set():
+            total, names = 0.0, {}
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss / 1e6
+                    name = (p.cmdline() or [p.name()])[0].split("/")[-1][:40]
+                except psutil.Error:
+                    continue
+                total += rss
+                names[name] = names.get(name, 0.0) + rss
+            if total > self.peak_mb:
+                self.peak_mb, self.by_name = total, names
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        top = sorted(self.by_name.items(), key=lambda kv: -kv[1])[:6]
+        return {"peak_mb": self.peak_mb, "at_peak_mb": {k: round(v) for k, v in top}}
+
+
+def run_measured(cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``cmd`` with its output in ``log_path``; wall time and tree memory. Raises with the log's tail on failure."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        mem = TreeMemory(proc.pid)
+        rc = proc.wait()
+    memory = mem.stop()
+    if rc != 0:
+        tail = open(log_path).read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {rc}; the end of {log_path}:\n{tail}")
+    return {"wall_s": time.perf_counter() - t0, **memory}
+
+
+def ensure_trl_venv() -> str:
+    python = os.path.join(TRL_VENV, "bin", "python")
+    subprocess.run(["bash", ".ci/trl_venv.sh"], check=True)  # idempotent: builds once (~3 min)
+    return python
+
+
+def spec_rows(cfg: Any, tokenizer: Any, records: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """``{"prompt", "answer", "ids"}`` per record: the ids are this project's tokenisation of the templated prompt."""
+    from nrl_tasks.stages.data import format_prompt, tokenize_prompts
+
+    rows = []
+    for r in records:
+        text = format_prompt(r["prompt"], cfg.data, tokenizer, max_tokens=cfg.max_prompt_tokens())
+        ids, _ = tokenize_prompts([text], tokenizer, max_length=cfg.max_prompt_tokens(), overlong=cfg.data.overlong_prompts)
+        rows.append({"prompt": r["prompt"], "answer": r["answer"], "ids": ids[0].tolist(), "text": text})
+    return rows
+
+
+def build_spec(cfg: Any, seed: int, steps: int, val: int) -> dict[str, Any]:
+    """The TRL driver's spec: this project's train prompts in its order (steps x 8) and its first ``val`` held-out ones."""
+    from transformers import AutoTokenizer
+
+    from nrl_tasks.models.builtin import resolve_model_path
+    from nrl_tasks.stages.data import load_prompt_records, step_record_indices
+
+    model_dir = resolve_model_path(cfg.policy.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    g = cfg.grpo
+    train = load_prompt_records(cfg.data, "train", seed)
+    order = [i for s in range(1, steps + 1) for i in step_record_indices(
+        num_records=len(train), step=s, num_prompts=g.num_prompts_per_step, seed=seed, shuffle=cfg.data.shuffle)]
+    held_out = load_prompt_records(cfg.data, "val", seed)[:val]
+    return {
+        "model_dir": model_dir, "seed": seed, "steps": steps, "prompts_per_step": g.num_prompts_per_step,
+        "num_generations": g.num_generations_per_prompt, "micro_batch_size": cfg.policy.train_micro_batch_size,
+        "max_new_tokens": cfg.gen.max_new_tokens, "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p,
+        "lr": cfg.policy.optimizer.kwargs.lr, "max_grad_norm": cfg.policy.max_grad_norm,
+        "threads": cfg.policy.torch_num_threads, "val_batch_size": g.val_batch_size,
+        "train": spec_rows(cfg, tokenizer, [train[i] for i in order]), "val": spec_rows(cfg, tokenizer, held_out),
+    }
+
+
+def run_trl(python: str, spec: dict[str, Any], work: str) -> dict[str, Any]:
+    spec_path, out_path = os.path.join(work, "trl_spec.json"), os.path.join(work, "trl_out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    measured = run_measured([python, "benchmarks/_trl_driver.py", spec_path, out_path], os.path.join(work, "trl.log"))
+    out = json.load(open(out_path))
+    steps = out["steps"]
+    return {
+        "val_before": out["val_before"], "val_after": out["val_after"], "responses_after": out["val_responses_after"],
+        "rewards": [s["reward"] for s in steps], "step_s": [s["step_s"] for s in steps],
+        "split": [{"generate": s["generate_s"], "rest": s["step_s"] - s["generate_s"]} for s in steps],
+        "new_tokens": [s["completion_tokens"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
+        "prompt_order_matches": out["prompt_order_matches"], "token_id_mismatches": out["token_id_mismatches"],
+        "config": out["config"], "versions": out["versions"], **measured,
+    }
+
+
+def run_ours(config: str, overrides: list[str], seed: int, steps: int, val: int, work: str) -> dict[str, Any]:
+    import storage
+    from flows.observe.metrics import read_metrics
+
+    root, run_id = os.path.join(work, "runs"), f"vs-trl-s{seed}"
+    cmd = [sys.executable, "-m", "flows.cli", "grpo", "--config", config, "--storage", root, "--run-id", run_id,
+           f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"grpo.val_period={steps}", f"grpo.max_val_samples={val}",
+           "grpo.val_at_start=true", "logger.step_subflows=false", *overrides]
+    measured = run_measured(cmd, os.path.join(work, "nrl.log"))
+    run_uri = os.path.join(root, run_id)
+    rows = read_metrics(os.path.join(run_uri, "metrics.jsonl"))
+
+    def val_of(step: int) -> tuple[float | None, list[str]]:
+        uri = os.path.join(run_uri, "steps", f"step_{step:06d}", "val")
+        if not storage.is_committed(uri):
+            return None, []
+        b = storage.load_batch(uri)
+        greedy = [i for i, m in enumerate(b["mode"]) if m == "greedy"]
+        return storage.read_manifest(uri).meta.get("val_accuracy"), [b["response"][i] for i in greedy]
+
+    def f(r: dict[str, Any], k: str) -> float:
+        return float(r.get(k) or 0.0)
+
+    split = []
+    for r in rows:
+        stages = {"generate": f(r, "generate_s"), "logprob": f(r, "logprob_s"), "train": f(r, "train_s"), "refit": f(r, "refit_s")}
+        other = f(r, "stages_s") - sum(stages.values())
+        split.append({**stages, "other stages": other, "orchestration": f(r, "step_s") - f(r, "stages_s") - f(r, "val_s")})
+    prompts_per_step = [list(storage.load_batch(os.path.join(run_uri, "steps", f"step_{s:06d}", "rollouts"))["prompt"])
+                        for s in range(1, len(rows) + 1)]
+    before, _ = val_of(0)
+    after, responses = val_of(steps)
+    return {
+        "val_before": before, "val_after": after, "responses_after": responses,
+        "rewards": [f(r, "reward_mean") for r in rows], "step_s": [f(r, "step_s") - f(r, "val_s") for r in rows],
+        "split": split, "new_tokens": [f(r, "new_tokens") for r in rows], "grad_norm": [r.get("grad_norm") for r in rows],
+        "logprob_skipped": all(r.get("logprob_skipped") for r in rows), "prompts_per_step": prompts_per_step, **measured,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed, 16 held-out prompts (smoke run)")
+    ap.add_argument("--seeds", type=int, nargs="*", default=None, help="default 0 1 2 (--quick: 0)")
+    ap.add_argument("--steps", type=int, default=None, help="default 25 (--quick: 2)")
+    ap.add_argument("--val", type=int, default=None, help="held-out prompts for the greedy accuracy, default 200 (--quick: 16)")
+    ap.add_argument("--systems", nargs="*", default=["trl", "nrl"], choices=["trl", "nrl"])
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--keep", default=None, help="keep the runs, logs and TRL specs in this folder")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of this project's config (the TRL side follows "
+                    "the budget keys it reads: batch, tokens, sampling, lr, clip, threads)")
+    args = ap.parse_args(argv)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    steps = args.steps or (2 if args.quick else 25)
+    val = args.val or (16 if args.quick else 200)
+    overrides = [*(QUICK if args.quick else []), *args.overrides]
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
+
+    keep = args.keep or tempfile.mkdtemp(prefix="bench-vs-trl-")
+    quiet_env(prefect_home=os.path.join(keep, "prefect"))
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    from flows.config import load_config
+
+    python = ensure_trl_venv() if "trl" in args.systems else ""
+    results: dict[str, Any] = {"seeds": seeds, "steps": steps, "val": val, "config": CONFIG, "overrides": overrides,
+                               "runs": {}, "differences": DIFFERENCES}
+    for seed in seeds:
+        cfg = load_config(CONFIG, [*overrides, f"grpo.seed={seed}", f"grpo.max_num_steps={steps}"])
+        spec = build_spec(cfg, seed, steps, val)
+        work = os.path.join(keep, f"seed{seed}")
+        os.makedirs(work, exist_ok=True)
+        runs: dict[str, Any] = {}
+        if "trl" in args.systems:
+            print(f"seed {seed}: TRL GRPOTrainer ...", flush=True)
+            runs["trl"] = run_trl(python, spec, work)
+        if "nrl" in args.systems:
+            print(f"seed {seed}: nrl grpo ...", flush=True)
+            runs["nrl"] = run_ours(CONFIG, overrides, seed, steps, val, work)
+            sent = [[r["text"]] * cfg.grpo.num_generations_per_prompt for r in spec["train"]]
+            expected = [[t for group in sent[i:i + cfg.grpo.num_prompts_per_step] for t in group]
+                        for i in range(0, len(sent), cfg.grpo.num_prompts_per_step)]
+            runs["nrl"]["prompt_order_matches"] = runs["nrl"].pop("prompts_per_step") == expected
+        results["runs"][seed] = runs
+        if args.json:  # after every seed: a long run killed late keeps what it measured
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1, default=str)
+    load_end = os.getloadavg()
+    results["load_average"] = {"start": load_start, "end": load_end}
+    print_report(results)
+    print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; runs and logs in {keep}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()
