@@ -29,6 +29,7 @@ from benchmarks._common import quiet_env, val_accuracy
 PRESETS = {
     "default": [],
     "trl-like": ["grpo.use_leave_one_out_baseline=false", "grpo.normalize_rewards=true", "loss_fn.token_level_loss=true",
+                 "grpo.adv_estimator.std_epsilon=1e-4",
                  "policy.optimizer.kwargs.weight_decay=0.0", "loss_fn.reference_policy_kl_penalty=0.0"],
 }
 

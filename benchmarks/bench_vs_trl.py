@@ -1,6 +1,6 @@
 """Against TRL, side by side: the same task, model, prompts, seeds and budget through TRL's GRPOTrainer and `nrl grpo`.
 
-    python -m benchmarks.bench_vs_trl [--quick] [--seeds 0 1 2] [--steps 25] [--val 200] [--json F] [key=value ...]
+    python -m benchmarks.bench_vs_trl [--quick] [--same-batch] [--seeds 0 1 2] [--steps 25] [--val 200] [--json F] [key=value ...]
 
 Not part of CI (minutes per run on 2 cores). For each seed, TRL 1.16's ``GRPOTrainer`` (from its own
 venv ``.venv-trl``, built by ``.ci/trl_venv.sh`` when missing, run as ``benchmarks/_trl_driver.py`` in a
@@ -20,7 +20,10 @@ into generate / logprob / train / refit / other stages / orchestration for ours 
 rest for TRL, generated tokens per second, peak memory (summed RSS of the system's process tree,
 Ray actors and the Prefect server included for ours, sampled every 0.25 s) and the ratios side by side,
 with the load average at start and end, and every difference that remains between the two.
-``--quick``: the tiny built-in model (``builtin:tiny``, the tests' model kit), 2 steps, 1 seed, 16
+``--same-batch``: no training; one step-1 rollout batch of this project's sampler goes through this
+project's train path and through TRL's own ``_compute_loss`` (``benchmarks/_trl_same_batch.py``) and
+their losses, gradient norms and per-parameter gradient norms are printed side by side (SmolLM2: about
+a minute). ``--quick``: the tiny built-in model (``builtin:tiny``, the tests' model kit), 2 steps, 1 seed, 16
 held-out prompts: a smoke run, not a result. ``--json F`` writes everything measured.
 """
 
@@ -200,6 +203,74 @@ def run_ours(config: str, overrides: list[str], seed: int, steps: int, val: int,
     }
 
 
+def same_batch(python: str, cfg: Any, seed: int, work: str) -> dict[str, Any]:
+    """One step-1 rollout batch from this project's sampler, rewarded by the task, through this project's train
+    path (the policy worker's forward and normaliser, ``compute_advantages``, ``ClippedPGLossFn``) and through
+    TRL's ``_compute_loss`` (``benchmarks/_trl_same_batch.py``): their losses and gradients, side by side."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+    from nrl_tasks.environments.arithmetic import exact_match_reward
+    from nrl_tasks.models.generation.hf_sampling import generate_batch
+    from nrl_tasks.models.policy.workers.logprobs import padded_forward_logprobs
+    from nrl_tasks.stages.advantages import compute_advantages
+    from nrl_tasks.stages.train import build_train_data
+
+    torch.set_num_threads(cfg.policy.torch_num_threads)
+    spec = build_spec(cfg, seed, 1, 1)
+    group, rows = cfg.grpo.num_generations_per_prompt, spec["train"]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    width = max(len(r["ids"]) for r in rows)
+    ids = torch.full((len(rows) * group, width), 0, dtype=torch.long)
+    lens = torch.tensor([len(r["ids"]) for r in rows for _ in range(group)])
+    for i, r in enumerate(x for x in rows for _ in range(group)):
+        ids[i, :len(r["ids"])] = torch.tensor(r["ids"])
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    out = generate_batch(model, tok, ids, lens, max_new_tokens=cfg.gen.max_new_tokens, temperature=cfg.gen.temperature,
+                         top_p=cfg.gen.top_p, seeds=torch.arange(len(lens)))
+    n, gen_lens, full = len(lens), out["generation_lengths"], out["output_ids"]
+    completions = [full[i, int(lens[i]):int(lens[i]) + int(gen_lens[i])].tolist() for i in range(n)]
+    answers = [r["answer"] for r in rows for _ in range(group)]
+    rewards = exact_match_reward([""] * n, [tok.decode(c, skip_special_tokens=True) for c in completions], answers)
+    if len({tuple(rewards[i:i + group]) for i in range(0, n, group)}) <= 1 or not any(rewards):
+        rewards = [float((i % group) < (i // group) % group) for i in range(n)]  # no signal: a mixed pattern instead
+    pos = torch.arange(full.shape[1]).unsqueeze(0)
+    token_mask = ((pos >= lens.unsqueeze(1)) & (pos < out["unpadded_sequence_lengths"].unsqueeze(1))).float()
+    r_t = torch.tensor(rewards)
+    adv = compute_advantages(torch.arange(n) // group, r_t, torch.ones(n), cfg.grpo, loss_cfg=cfg.loss_fn)
+    data = build_train_data(BatchedDataDict({"input_ids": full, "input_lengths": out["unpadded_sequence_lengths"],
+                                             "token_mask": token_mask, "generation_logprobs": out["logprobs"]}), None, adv)
+    loss_fn, mbs = ClippedPGLossFn(cfg.loss_fn), cfg.policy.train_micro_batch_size
+    toks = (data["token_mask"][:, 1:].double() * data["sample_mask"].double().unsqueeze(1)).sum().float()
+    model.train()
+    total = 0.0
+    for start in range(0, n, mbs):
+        mb = data.slice(start, min(start + mbs, n))
+        loss, _ = loss_fn(padded_forward_logprobs(model, mb["input_ids"], mb["input_lengths"], cfg.policy.temperature)[:, 1:],
+                          mb, data["sample_mask"].sum(), toks)
+        loss.backward()
+        total += float(loss.detach())
+    norms = {name: float(p.grad.double().norm()) for name, p in model.named_parameters() if p.grad is not None}
+    ours_path, batch_path = os.path.join(work, "same_batch_ours.pt"), os.path.join(work, "same_batch.json")
+    torch.save({"loss": total, "grad_norm": sum(v * v for v in norms.values()) ** 0.5, "param_grad_norms": norms,
+                "advantages": adv["advantages"]}, ours_path)
+    with open(batch_path, "w") as f:
+        json.dump({"model_dir": spec["model_dir"], "prompt_ids": [r["ids"] for r in rows for _ in range(group)],
+                   "completion_ids": completions, "rewards": rewards, "group": group, "micro_batch": mbs,
+                   "max_new_tokens": cfg.gen.max_new_tokens, "threads": cfg.policy.torch_num_threads,
+                   "work": os.path.join(work, "trl-same-batch")}, f)
+    done = subprocess.run([python, "benchmarks/_trl_same_batch.py", batch_path, ours_path], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmarks/_trl_same_batch.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["completion_lengths"] = [len(c) for c in completions]
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed, 16 held-out prompts (smoke run)")
@@ -207,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=None, help="default 25 (--quick: 2)")
     ap.add_argument("--val", type=int, default=None, help="held-out prompts for the greedy accuracy, default 200 (--quick: 16)")
     ap.add_argument("--systems", nargs="*", default=["trl", "nrl"], choices=["trl", "nrl"])
+    ap.add_argument("--same-batch", action="store_true", help="only feed one rollout batch of ours through both "
+                    "systems' loss code and compare loss and gradients (seconds; no training)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--keep", default=None, help="keep the runs, logs and TRL specs in this folder")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of this project's config (the TRL side follows "
@@ -220,11 +293,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
 
     keep = args.keep or tempfile.mkdtemp(prefix="bench-vs-trl-")
+    os.makedirs(keep, exist_ok=True)
     quiet_env(prefect_home=os.path.join(keep, "prefect"))
     os.environ.setdefault("RAY_worker_niceness", "0")
     from flows.config import load_config
 
-    python = ensure_trl_venv() if "trl" in args.systems else ""
+    python = ensure_trl_venv() if "trl" in args.systems or args.same_batch else ""
+    if args.same_batch:
+        cfg = load_config(CONFIG, [*overrides, f"grpo.seed={seeds[0]}"])
+        check = same_batch(python, cfg, seeds[0], keep)
+        print("same batch through both systems' loss code:", json.dumps(check))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(check, fh, indent=1)
+        return check
     results: dict[str, Any] = {"seeds": seeds, "steps": steps, "val": val, "config": CONFIG, "overrides": overrides,
                                "runs": {}, "differences": DIFFERENCES}
     for seed in seeds:
