@@ -49,6 +49,7 @@ from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
 from nrl_tasks.stages.health import probe_actors
 from nrl_tasks.stages.refs import StepRefs
 from nrl_tasks.stages.resume_plan import ResumePlan, grpo_facts_options, plan_resume, read_run_facts
+from nrl_tasks.utils.refit import checksum_algorithm
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
@@ -206,7 +207,7 @@ def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: d
             "restored are %s", uri, step, "unverified" if legacy else "checked against the file checksums only",
         )
         return
-    got = run.policy.weights_checksum()
+    got = run.policy.weights_checksum(algorithm=checksum_algorithm(want))
     if got != want:
         raise CheckpointDamagedError(
             step, uri, f"the weights loaded from {uri}/weights have checksum {got}, step {step} recorded {want}"
@@ -237,7 +238,8 @@ def recover(
     ahead = grpo_facts_options(run.cfg)  # async GRPO: the steps generated ahead on older weights are facts too
     while True:
         facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged, **ahead)
-        health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh)
+        health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh,
+                              checksum_algorithm=checksum_algorithm(facts.checksums.get(facts.last_trained)))
         plan = plan_resume(facts, health, force_refit=force_refit)
         verified = False
         if plan.restore_from:  # about to load a checkpoint: check its files first

@@ -110,7 +110,10 @@ def replay_dpo_train(run: RunContext, step: int) -> None:
     uri = lambda d: run.layout.stage_uri(step, d)  # noqa: E731
     meta = storage.read_manifest(uri("train"), **run.storage_kw).meta
     _train_once(run, storage.load_batch(uri("pairs"), **run.storage_kw), storage.load_batch(uri("reference"), **run.storage_kw))
-    got, want = run.policy.weights_checksum(), meta.get("weights_checksum")
+    from nrl_tasks.utils.refit import checksum_algorithm
+
+    want = meta.get("weights_checksum")
+    got = run.policy.weights_checksum(algorithm=checksum_algorithm(want))
     if run.policy.weights_version != step or (want and got != want):
         raise RuntimeError(
             f"replay of dpo_train step {step} gave weights checksum {got} (version {run.policy.weights_version}), "

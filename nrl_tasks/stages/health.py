@@ -70,16 +70,20 @@ def generation_responsive(generation: GenerationInterface, timeout_s: float | No
     return _probe(refs, timeout_s or probe_timeout_s())
 
 
-def probe_actors(actors: Any, *, target: int, policy_fresh: bool = False) -> ActorHealth:
+def probe_actors(
+    actors: Any, *, target: int, policy_fresh: bool = False, checksum_algorithm: str | None = None
+) -> ActorHealth:
     """The :class:`ActorHealth` of a run's actors (``actors``: its ``RunActors``); the policy's
-    weights checksum is read only when it holds ``target``."""
+    weights checksum is read only when it holds ``target``, with ``checksum_algorithm`` (that of
+    the checksum recorded for ``target``, which it is compared with; default: today's)."""
     pv = policy_responsive(actors.policy)
     states = generation_responsive(actors.generation)
     gv = None
     if states:
         versions = {None if st.get("stale") else st.get("weights_version") for st in states}
         gv = versions.pop() if len(versions) == 1 else None
-    checksum = actors.policy.weights_checksum() if pv is not None and pv == target and target > 0 else None
+    checksum = (actors.policy.weights_checksum(algorithm=checksum_algorithm)
+                if pv is not None and pv == target and target > 0 else None)
     return ActorHealth(
         policy_version=pv, generation_version=gv, generation_alive=states is not None,
         policy_checksum=checksum, policy_fresh=policy_fresh,

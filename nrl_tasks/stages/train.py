@@ -21,6 +21,7 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.graph import REPLAY_INPUTS
 from nrl_tasks.stages.logprob import logprob_needed
+from nrl_tasks.utils.refit import checksum_algorithm
 from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
@@ -145,7 +146,7 @@ def replay_train(run: Any, step: int) -> dict[str, Any]:
     _check_version(run.policy, step)
     expected = meta.get("weights_checksum")
     if expected:
-        got = run.policy.weights_checksum()
+        got = run.policy.weights_checksum(algorithm=checksum_algorithm(expected))
         if got != expected:
             raise RuntimeError(
                 f"replay of train step {step} gave weights checksum {got}, the run recorded {expected}: "

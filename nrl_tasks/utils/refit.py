@@ -36,11 +36,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CHECKSUM_ALGORITHM",
     "FlatParamBuckets",
+    "LEGACY_CHECKSUM_ALGORITHM",
     "RefitInfo",
     "RefitMismatchError",
     "RefitMetadata",
     "check_fingerprints",
+    "checksum_algorithm",
     "dtype_from_str",
     "dtype_to_str",
     "metadata_to_consumer_iter",
@@ -256,9 +259,32 @@ def metadata_to_consumer_iter(metadata: Iterable[Any]) -> Iterator[tuple[str, tu
         yield name, (shape, dtype)
 
 
-def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Deterministic BLAKE2b (hex) of names, shapes, dtypes and raw bytes, in iteration order."""
-    digest = hashlib.blake2b(digest_size=20)
+#: the hash of new weights checksums, written ``"xxh3-128:<32 hex>"`` (about 20x faster than BLAKE2b:
+#: 0.04 vs 0.85 s for SmolLM2-135M's 540 MB after every train)
+CHECKSUM_ALGORITHM = "xxh3-128"
+#: checksums recorded before it: 40 hex of BLAKE2b-160, no prefix; recomputed that way to compare
+LEGACY_CHECKSUM_ALGORITHM = "blake2b-160"
+
+
+def checksum_algorithm(recorded: str | None) -> str:
+    """The algorithm a recorded weights checksum was made with (``None``: today's)."""
+    if recorded is None or recorded.startswith(f"{CHECKSUM_ALGORITHM}:"):
+        return CHECKSUM_ALGORITHM
+    return LEGACY_CHECKSUM_ALGORITHM
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    """Deterministic hash of names, shapes, dtypes and raw bytes, in iteration order:
+    ``"xxh3-128:<hex>"``, or (``algorithm="blake2b-160"``, runs recorded before it) the bare hex of
+    BLAKE2b-160, so that a run resumed from an older version compares like with like."""
+    if algorithm == CHECKSUM_ALGORITHM:
+        import xxhash
+
+        digest: Any = xxhash.xxh3_128()
+    elif algorithm == LEGACY_CHECKSUM_ALGORITHM:
+        digest = hashlib.blake2b(digest_size=20)
+    else:
+        raise ValueError(f"unknown weights checksum algorithm {algorithm!r}")
     for name, tensor in named_tensors:
         digest.update(f"{name}|{list(tensor.shape)}|{dtype_to_str(tensor.dtype)}|".encode())
         flat = tensor.detach().to("cpu").contiguous()
@@ -266,7 +292,7 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         if nbytes:
             digest.update((ctypes.c_char * nbytes).from_address(flat.data_ptr()))
         del flat
-    return digest.hexdigest()
+    return digest.hexdigest() if algorithm == LEGACY_CHECKSUM_ALGORITHM else f"{algorithm}:{digest.hexdigest()}"
 
 
 class FlatParamBuckets:

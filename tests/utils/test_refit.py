@@ -167,3 +167,33 @@ def test_flat_buckets_adopt_module_parameters():
         for param in module.parameters():
             param.add_(param.grad, alpha=-0.1)
     assert not torch.equal(buckets["0.weight"], before["0.weight"])  # training updates the buckets in place
+
+
+def test_weights_checksum_is_xxh3_and_recorded_blake2b_checksums_are_recomputed_as_such():
+    """New checksums are ``xxh3-128:<hex>``; a checksum recorded before (bare BLAKE2b-160 hex) is
+    recomputed with BLAKE2b, byte for byte the old definition, so older runs still resume."""
+    import ctypes
+    import hashlib
+
+    import xxhash
+
+    from nrl_tasks.utils.refit import checksum_algorithm, weights_checksum
+
+    g = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).to(torch.bfloat16))]
+
+    def by_hand(digest):
+        for name, t in named:
+            digest.update(f"{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|".encode())
+            digest.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.contiguous().data_ptr()))
+        return digest.hexdigest()
+
+    new, old = weights_checksum(named), weights_checksum(named, "blake2b-160")
+    assert new == "xxh3-128:" + by_hand(xxhash.xxh3_128())
+    assert old == by_hand(hashlib.blake2b(digest_size=20)) and len(old) == 40
+    assert checksum_algorithm(new) == "xxh3-128" and checksum_algorithm(None) == "xxh3-128"
+    assert checksum_algorithm(old) == "blake2b-160"
+    named[0][1][0, 0] += 1.0
+    assert weights_checksum(named) != new and weights_checksum(named, "blake2b-160") != old
+    with pytest.raises(ValueError, match="unknown weights checksum algorithm"):
+        weights_checksum(named, "md5")

@@ -31,7 +31,8 @@ class PolicyRefitMethods:
         """Rank 0 sends the weights with the packed producer; returns ObjectRefs."""
         return self.worker_group.run_all_workers_single_data("broadcast_weights_for_collective", kv_scales)
 
-    def weights_checksum(self, as_sent: bool = True) -> str:
+    def weights_checksum(self, as_sent: bool = True, algorithm: str | None = None) -> str:
         """Checksum of the refit tensors (``as_sent``: cast to the refit dtype) of rank 0 (every
-        rank takes part when the weights are sharded)."""
-        return self._get(self.worker_group.run_all_workers_single_data("weights_checksum", as_sent))[0]
+        rank takes part when the weights are sharded); ``algorithm``: to compare with a recorded
+        checksum, the one it was made with (:func:`nrl_tasks.utils.refit.checksum_algorithm`)."""
+        return self._get(self.worker_group.run_all_workers_single_data("weights_checksum", as_sent, algorithm))[0]

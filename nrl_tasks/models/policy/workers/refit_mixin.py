@@ -147,9 +147,10 @@ class RefitMixin:
             )
         return True
 
-    def weights_checksum(self, as_sent: bool = True) -> str:
+    def weights_checksum(self, as_sent: bool = True, algorithm: str | None = None) -> str:
         """``weights_checksum`` of the refit tensors (cast as sent, or the master weights; with
-        LoRA "as sent" is the merged weights, the master weights are base + adapter tensors)."""
+        LoRA "as sent" is the merged weights, the master weights are base + adapter tensors);
+        ``algorithm``: today's by default (see :func:`nrl_tasks.utils.refit.checksum_algorithm`)."""
         self._require_valid_weights("weights_checksum")
         from nrl_tasks.utils.refit import weights_checksum
 
@@ -161,7 +162,7 @@ class RefitMixin:
             items = self._refit_items()
         else:
             items = ((n, full_tensor(t)) for n, t in refit_named_tensors(self.model))
-        return weights_checksum(items)
+        return weights_checksum(items) if algorithm is None else weights_checksum(items, algorithm)
 
     def close_refit_group(self) -> None:
         group, self._refit_group = self._refit_group, None
