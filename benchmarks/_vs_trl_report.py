@@ -17,15 +17,15 @@ DIFFERENCES = [
     "the model's EOS) or 16 tokens, no stop strings; the completion mask keeps the EOS token in both.",
     "held-out greedy accuracy: ours from the flow's val stage (this project's decoder, argmax), TRL's from HF generate "
     "(do_sample=False) in the driver; same prompts, same reward, same 16 tokens.",
-    "weights: ours train in the policy actor and are copied to a separate generation actor after each step (refit); "
-    "TRL generates with the model it trains, in one process.",
+    "weights: both generate with the model they train (ours: generation.colocated.enabled, inside the policy actor, "
+    "no refit); TRL in its one process, ours in a Ray actor the flow process calls.",
     "TRL shuffles the generated batch before cutting it into its 4 micro-batches of 8; ours keep the rollout order. "
     "The loss is a sum over all tokens of the batch divided by their count on both sides, so the update is the same "
     "up to float summation order.",
     "advantage statistics: ours in float64 then rounded to float32; TRL's in float32 (under 1 ulp apart).",
     "TRL runs with bf16=False and gradient_checkpointing=False (its defaults are True and True) to train in float32 "
-    "without activation checkpointing like ours; TRL's process is one torch process with 2 threads, ours are Ray "
-    "actors with 2 threads each (policy and generation take turns) plus the flow process and a Prefect API server.",
+    "without activation checkpointing like ours; TRL's process is one torch process with 2 threads, ours is one Ray "
+    "actor with 2 threads (generation and training take turns in it) plus the flow process and a Prefect API server.",
 ]
 
 _NUM = re.compile(r"-?\d+")
