@@ -19,8 +19,12 @@ the step's committed datasets and checkpoint (:func:`rebuild_step_metrics`), mar
 ``"rebuilt": true``; the file is then rewritten atomically. A rebuilt line holds every figure
 the manifests hold (rewards, loss, tokens, each stage's ``<stage>_s``, ``val_accuracy``,
 ``checkpoint_s`` of checkpoints that record their seconds) but not what only the flow run knew:
-``refit_s``, ``refit_mb``, ``step_s`` and the attempts columns (``None``: unknown), and ``compute_s`` /
-``stages_s`` without the refit. Datasets deleted by retention leave their figures ``None``.
+``refit_s``, ``refit_mb``, ``step_s``, ``orchestration_s`` and the attempts columns (``None``: unknown), and
+``compute_s`` / ``stages_s`` without the refit.
+
+``orchestration_s`` (:func:`orchestration_seconds`): the step's wall time (``step_s``) minus the time
+spent inside stage compute; the console line shows the split (``step 3.10s = work 0.40s +
+orchestration 2.70s``). Datasets deleted by retention leave their figures ``None``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from nrl_tasks.utils.jsonl import jsonl_lines
 __all__ = [
     "build_step_metrics",
     "format_console_line",
+    "orchestration_seconds",
     "read_metrics",
     "rebuild_step_metrics",
     "repair_metrics",
@@ -199,7 +204,19 @@ def build_step_metrics(
             row[f"{name}_attempts"] = _attempts(result)
     if wall_seconds is not None:
         row["step_s"] = wall_seconds
+        row["orchestration_s"] = orchestration_seconds(wall_seconds, row)
     return {k: _clean(v) for k, v in row.items()}
+
+
+def orchestration_seconds(step_s: float, row: Mapping[str, Any]) -> float | None:
+    """``orchestration_s``: a step's wall time minus the time spent inside stage compute (actor
+    calls and reward functions, ``compute_s``, plus the checkpoint write and the validation when
+    they ran): Prefect's task and subflow machinery, commits, manifests and bookkeeping. ``None``
+    when the step's compute is unknown; never below 0 (the parts are timed apart)."""
+    if row.get("compute_s") is None:
+        return None
+    work = float(row["compute_s"]) + float(row.get("checkpoint_s") or 0.0) + float(row.get("val_s") or 0.0)
+    return max(0.0, float(step_s) - work)
 
 
 def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -278,8 +295,8 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
-    """``[run] step 3/10 reward 0.312 loss -0.012 | gen 1.2s score 0.0s lp 0.3s train 1.1s refit 0.1s | 512 tok/s``,
-    plus ``| attempts train x2`` when a stage needed retries."""
+    """``[run] step 3/10 reward 0.312 loss -0.012 | gen 1.2s score 0.0s lp 0.3s train 1.1s refit 0.1s | 512 tok/s
+    | step 3.10s = work 2.70s + orchestration 0.40s``, plus ``| attempts train x2`` when a stage needed retries."""
     parts = [
         f"[{run_id}] step {row['step']}/{max_steps}",
         f"reward {_fmt(row.get('reward_mean'), '.3f')}",
@@ -294,6 +311,8 @@ def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> 
     tail = f"{_fmt(row.get('tokens_per_s'), '.0f')} tok/s"
     if row.get("step_s") is not None:
         tail += f" | step {row['step_s']:.2f}s"
+        if row.get("orchestration_s") is not None:  # the step's wall time = stage work + orchestration
+            tail += f" = work {row['step_s'] - row['orchestration_s']:.2f}s + orchestration {row['orchestration_s']:.2f}s"
     retried = [
         f"{key[: -len('_attempts')]} x{row[key]}" for key in row
         if key.endswith("_attempts") and isinstance(row[key], int) and row[key] > 1

@@ -27,6 +27,18 @@ def test_attempt_columns_from_task_results_and_committed_manifests():
     assert "attempts" not in format_console_line("r", row, 5)
 
 
+def test_orchestration_is_the_step_wall_time_outside_stage_work():
+    ran = {"rollouts": {"seconds": 1.2, "generate_seconds": 1.0}, "rewards": {"seconds": 0.05},
+           "logprobs": {"seconds": 0.4, "compute_seconds": 0.3}, "train": {"seconds": 1.5, "train_seconds": 1.25}}
+    row = build_step_metrics(3, ran, refit={"seconds": 0.2}, checkpoint={"seconds": 0.5}, val={"val_accuracy": 0.5, "seconds": 0.7},
+                             wall_seconds=5.0)
+    # work: generate 1.0 + score 0.05 + logprob 0.3 + train 1.25 + refit 0.2 + checkpoint 0.5 + validation 0.7 = 4.0
+    assert abs(row["compute_s"] - 2.8) < 1e-9 and abs(row["orchestration_s"] - 1.0) < 1e-9
+    assert "| step 5.00s = work 4.00s + orchestration 1.00s" in format_console_line("r", row, 5)
+    assert build_step_metrics(3, {}, wall_seconds=5.0)["orchestration_s"] is None  # no stage timed: unknown
+    assert "orchestration_s" not in build_step_metrics(3, ran)  # no wall time (a rebuilt line)
+
+
 def test_uninterrupted_run_reports_one_attempt_and_the_retried_refit(e2e_run):
     """The reference run (injected mid-stream failure of the step-2 refit): every stage needed
     one attempt except that refit, which succeeded at its second."""
@@ -38,6 +50,8 @@ def test_uninterrupted_run_reports_one_attempt_and_the_retried_refit(e2e_run):
     assert "checkpoint_attempts" not in rows[0]
     assert rows[1]["checkpoint_attempts"] == rows[2]["checkpoint_attempts"] == 1
     assert rows[1]["val_attempts"] == 1 and "val_attempts" not in rows[2]
+    for r in rows:  # every line of a flow run splits its wall time
+        assert 0.0 <= r["orchestration_s"] <= r["step_s"] and r["step_s"] - r["orchestration_s"] >= r["compute_s"] - 1e-6, r
 
 
 # ---------------------------------------------------------------------------------------------
