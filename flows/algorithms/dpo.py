@@ -40,7 +40,7 @@ from flows.config import MasterConfig
 from flows.config.resolve import new_run_id, resolve_config
 from flows.observe.metrics import read_metrics, upsert_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
-from flows.run.session import RunIntent, RunSession, run_session
+from flows.run.session import RunIntent, RunSession, run_session, tag_this_flow_run
 from flows.observe.summary import metrics_window
 from flows.run.runtime import recreate_policy
 from nrl_tasks.run_layout import validate_run_id
@@ -168,10 +168,12 @@ def dpo(
     from storage import delete_batch  # (``storage`` is this flow's parameter)
 
     log = get_run_logger()
-    cfg = resolve_config(config, overrides, storage, run_id=run_id if resume else None, algorithm="dpo")
+    given = run_id
+    run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
+    tag_this_flow_run(run_id)  # before the config is read: a flow run refused for its config is tagged too
+    cfg = resolve_config(config, overrides, storage, run_id=given if resume else None, algorithm="dpo")
     if cfg.dpo is None:
         raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
-    run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
     intent = RunIntent(resume=resume, take_over=take_over, fresh_optimizer=fresh_optimizer)
     with run_session(cfg, run_id, algorithm="dpo", intent=intent, log=log) as session:
         layout, opts = session.layout, session.storage_options

@@ -37,7 +37,7 @@ from typing import Any, Callable
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, ProgressHandle
+from flows.observe.artifacts import BackgroundPublisher, ProgressHandle, SummaryHandle
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
@@ -46,7 +46,7 @@ from flows.run.recompute import apply_recompute, parse_recompute
 from flows.run.retention import RetentionPolicy, apply_retention
 from flows.algorithms.step import StepPlan, tag_flow_run
 from flows.config.resolve import new_run_id, resolve_config
-from flows.run.session import RunIntent, run_session
+from flows.run.session import RunIntent, run_session, tag_this_flow_run
 from flows.observe.trackers import open_trackers, publish_tracker_links
 from flows.algorithms.warm_start import ensure_warm_start, with_warm_start_weights
 from nrl_tasks.run_layout import validate_run_id
@@ -136,7 +136,7 @@ def run_grpo_steps(
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     budget = RetryBudget(cfg)
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
-    progress = ProgressHandle(run.run_id)
+    progress, summary = ProgressHandle(run.run_id), SummaryHandle(run.run_id)
     publisher = BackgroundPublisher()
     lines = read_metrics(layout.metrics_uri, opts)
     have_lines = {int(r["step"]) for r in lines}
@@ -149,7 +149,7 @@ def run_grpo_steps(
             publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
         if optimizer_reset is not None and refs.step == last + 1:  # the first step trained with a fresh optimizer
             kw["extra"] = {**(kw.get("extra") or {}), "optimizer_reset": True}
-        return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, trackers=trackers, **kw)
+        return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, summary=summary, trackers=trackers, **kw)
 
     # async GRPO: a resume may need the checkpoint at or before version step - age (the steps
     # generated ahead on older weights): retention keeps what that resume reads
@@ -214,11 +214,13 @@ def grpo(
         fresh_optimizer: with resume, train on from a checkpoint saved without optimizer state
             (checkpointing.save_optimizer=false; refused otherwise), recorded as optimizer_reset.
     """
-    if resume and run_id:
-        cfg = resume_config(config, overrides, storage, validate_run_id(run_id), get_run_logger())
+    given = run_id
+    run_id = validate_run_id(run_id) if run_id else new_run_id()
+    tag_this_flow_run(run_id)  # before the config is read: a flow run refused for its config is tagged too
+    if resume and given:
+        cfg = resume_config(config, overrides, storage, run_id, get_run_logger())
     else:
         cfg = resolve_config(config, overrides, storage, algorithm="grpo")
-    run_id = validate_run_id(run_id) if run_id else new_run_id()
     specs = parse_recompute(recompute)
     if specs and not resume:
         raise ValueError("recompute needs resume=True")

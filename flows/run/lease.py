@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from flows.run.hints import resume_command
 from nrl_tasks.run_layout import RunLayout, join_uri
 from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.stages.errors import exception_chain
@@ -103,7 +104,7 @@ def live_holder(layout: RunLayout, storage_options: dict[str, Any] | None = None
 def _unreadable_advice(run_id: str) -> str:
     return (
         "whether another process writes the run cannot be told from it; if none does, take over with "
-        f"`nrl resume {run_id} --take-over`"
+        f"{resume_command(run_id, '--take-over')}"
     )
 
 
@@ -121,7 +122,7 @@ def resume_refusal(layout: RunLayout, storage_options: dict[str, Any] | None = N
         return None
     return (
         f"run {run_id} has a live writer ({holder.describe()}); wait for it to end, or, if that process is dead "
-        f"on another machine, take over with `nrl resume {run_id} --take-over`"
+        f"on another machine, take over with {resume_command(run_id, '--take-over')}"
     )
 
 

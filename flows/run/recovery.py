@@ -41,6 +41,7 @@ from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 from prefect.utilities.annotations import quote
 
+from flows.run.hints import resume_command
 from flows.run.runtime import recreate_generation, recreate_policy
 from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext
@@ -152,7 +153,7 @@ def _check_optimizer_restored(run: RunContext, uri: str, info: dict[str, Any]) -
     raise MissingOptimizerStateError(
         f"run {run.run_id!r}: recovery restored checkpoint {uri}, which holds no optimizer state (the run has "
         "checkpointing.save_optimizer = false): training on would differ from an uninterrupted run, so the run "
-        f"stops here. To continue anyway, resume with `nrl resume {run.run_id} --fresh-optimizer` (recorded as "
+        f"stops here. To continue anyway, resume with {resume_command(run.run_id, '--fresh-optimizer')} (recorded as "
         "optimizer_reset in status.json and in the metrics line of the first step trained)"
     )
 

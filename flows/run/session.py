@@ -53,9 +53,10 @@ from typing import Any, Callable, Iterator
 
 from prefect.exceptions import TerminationSignal
 
-from flows.config import MasterConfig
+from flows.config import ConfigError, MasterConfig
 from flows.run.crash_cleanup import mark_orphans_crashed
 from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
+from flows.run.history import attempt_kind, begin_attempt, end_attempt, flow_run_name, refused_name
 from flows.run.plugins import load_observers
 from flows.run.lease import check_fence, hold_run_lease
 from flows.run.process import (
@@ -69,9 +70,9 @@ from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import describe_error, exception_chain
 from storage import fs, retry_policy
-from storage.lease import LeaseLostError
+from storage.lease import LeaseHeldError, LeaseLostError
 
-__all__ = ["RunIntent", "RunSession", "own_local_ray", "reading_session", "run_session"]
+__all__ = ["RunIntent", "RunSession", "own_local_ray", "reading_session", "run_session", "tag_this_flow_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,12 @@ def _flow_run_id() -> str | None:
     return str(flow_run.id) if flow_run.id else None
 
 
+def tag_this_flow_run(run_id: str) -> None:
+    """Tag the flow run this runs in ``run:<run_id>`` (a flow calls it first, before its config is
+    read, so that every flow run of a run is found by its tag, refused ones too)."""
+    add_flow_run_tags(_flow_run_id(), [run_tag(run_id)])
+
+
 @dataclass
 class RunSession:
     """A run under its lease (see the module docstring); made by :func:`run_session`."""
@@ -111,8 +118,11 @@ class RunSession:
     previous: dict[str, Any]  # status.json as the previous flow of the run left it ({} for a new run)
     start: StartPlan  # what the start does (flows.run.start)
     log: Any
+    intent: RunIntent = RunIntent()
     runtime: Runtime | None = None
     end_fields: dict[str, Any] = field(default_factory=dict)
+    #: the run's history with this flow's entry (:mod:`flows.run.history`), set by :meth:`running`
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
@@ -180,7 +190,8 @@ class RunSession:
         """The run's life from ``running`` to its end state (steps 5-8 of the module docstring)."""
         layout, opts, log = self.layout, self.storage_options, self.log
         # task runs a killed flow left Running (a live one taken over ends its own: it is fenced)
-        orphaned = flow_process_alive(self.previous.get("flow_process")) is not True
+        alive = flow_process_alive(self.previous.get("flow_process"))
+        orphaned = alive is not True
         if self.previous.get("status") not in (None, "completed") and orphaned:
             mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log)
         reaped = reap_local_ray(self.previous)
@@ -189,11 +200,21 @@ class RunSession:
         reaped = reap_prefect_server(self.previous)
         if reaped:
             log.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
+        kind = attempt_kind(self.previous, self.flow_run_id, max_steps=max_steps)
+        plan, facts = self.start.plan, self.start.facts
+        # the previous flow's entry, left open: its process is gone (crashed) or it was taken over
+        was = "crashed" if alive is False else "taken over" if self.intent.take_over else None
+        self.history = begin_attempt(
+            self.previous, kind=kind, flow_run_id=self.flow_run_id, max_steps=max_steps, previous_outcome=was,
+            trained=facts.last_trained if facts is not None else None,
+            restore_from=plan.restore_from if plan is not None else None, replay=plan.replay if plan is not None else (),
+        )
         write_status(
             layout, opts, status="running", algorithm=self.algorithm, flow_run_id=self.flow_run_id, max_steps=max_steps,
             config_hash=self.config_hash, error=None, flow_process=current_process(), local_ray=None,
-            prefect_server=ephemeral_prefect_servers(),
+            prefect_server=ephemeral_prefect_servers(), history=self.history,
         )
+        rename_flow_run(self.flow_run_id, flow_run_name(self.run_id, kind, self.history[-1]["attempt"]))
         reset, facts = self.start.optimizer_reset, self.start.facts
         if reset is not None and facts is not None:  # --fresh-optimizer: kept in the run's record
             write_status(layout, opts, optimizer_reset={
@@ -203,8 +224,8 @@ class RunSession:
             with own_local_ray(self.run_id), retry_policy(self.cfg.storage.retry.policy()):
                 yield self
                 self.fence()  # taken over at the last moment: the new holder's status stays
-                write_status(layout, opts, status="completed", last_step=max_steps, error=None, **self.end_fields)
-                rename_flow_run(self.flow_run_id, self.run_id)  # a finished run's flow run is named after the run
+                write_status(layout, opts, status="completed", last_step=max_steps, error=None,
+                             history=end_attempt(self.history, "completed"), **self.end_fields)
                 if self.runtime is not None and not nrl_settings().keep_actors:
                     self.runtime.shutdown()  # kill the actors, remove the placement groups
         except BaseException as exc:
@@ -214,7 +235,8 @@ class RunSession:
                 log.error("run %s was taken over by another process: this one stops and writes nothing more", self.run_id)
                 raise
             try:  # best effort: on a full disk or a lost bucket the status cannot be written either
-                write_status(layout, opts, status="interrupted" if stopped else "failed", error=describe_error(exc)[:2000])
+                outcome, error = "interrupted" if stopped else "failed", describe_error(exc)[:2000]
+                write_status(layout, opts, status=outcome, error=error, history=end_attempt(self.history, outcome, error))
             except Exception as status_exc:  # noqa: BLE001 - the run's own error is the one to raise
                 log.warning("could not record the run's end in status.json: %s", status_exc)
             raise
@@ -263,18 +285,27 @@ def run_session(
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
     fid = _flow_run_id()
-    lease = hold_run_lease(layout, opts, fid, take_over=intent.take_over)  # refused at once while another writer lives
+    tag_this_flow_run(run_id)  # refused starts too
     try:
-        if configure is not None:
-            cfg = configure(cfg)
-        existed = fs.exists(layout.config_uri, storage_options=opts)
-        # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
-        chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
-        start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute,
-                           fresh_optimizer=intent.fresh_optimizer)
+        lease = hold_run_lease(layout, opts, fid, take_over=intent.take_over)  # refused at once while another writer lives
+    except (ConfigError, LeaseHeldError):
+        rename_flow_run(fid, refused_name(run_id))  # not to be mistaken for the run's own flow runs
+        raise
+    try:
+        try:
+            if configure is not None:
+                cfg = configure(cfg)
+            existed = fs.exists(layout.config_uri, storage_options=opts)
+            # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
+            chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
+            start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute,
+                               fresh_optimizer=intent.fresh_optimizer)
+        except ConfigError:
+            rename_flow_run(fid, refused_name(run_id))
+            raise
         yield RunSession(
             cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
-            previous=read_status(layout, opts) or {}, start=start, log=log or logger,
+            previous=read_status(layout, opts) or {}, start=start, log=log or logger, intent=intent,
         )
     finally:
         lease.release()

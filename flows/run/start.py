@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig
+from flows.run.hints import resume_command
 from flows.run.recompute import check_recompute_config, check_resume_data, dpo_repairs, parse_recompute, plan_recompute
 from flows.run.state import check_config_hash, trained_prefix
 from nrl_tasks.run_layout import RunLayout
@@ -140,7 +141,7 @@ def check_optimizer_state(
         f"run {run_id!r}: checkpoint {uri} (step {step}) holds no optimizer state (the run has "
         "checkpointing.save_optimizer = false), so training on from it with a fresh optimizer would differ "
         "from an uninterrupted run without saying so; nothing was started. To continue anyway, resume with "
-        f"`nrl resume {run_id} --fresh-optimizer` (recorded as optimizer_reset in status.json and in the "
+        f"{resume_command(run_id, '--fresh-optimizer')} (recorded as optimizer_reset in status.json and in the "
         "metrics line of the first step trained)"
     )
 

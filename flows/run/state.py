@@ -58,6 +58,15 @@ def write_status(layout: RunLayout, storage_options: dict[str, Any] | None = Non
     return cur
 
 
+def _how_to_resume(run_id: str) -> str:
+    """What to do about an existing run id, in the words of where the flow was started (:mod:`flows.run.hints`)."""
+    from flows.run.hints import from_deployment, resume_command
+
+    if from_deployment():
+        return f"continue it with {resume_command(run_id, deployed=True)}, or pass another run_id"
+    return f"resume it (nrl resume {run_id}) or pick another --run-id"
+
+
 def init_run(layout: RunLayout, cfg: MasterConfig, *, resume: bool, flow_run_id: str | None = None) -> str:
     """Create the run (write ``config.yaml``) or check it for resume; return the config hash.
 
@@ -72,10 +81,7 @@ def init_run(layout: RunLayout, cfg: MasterConfig, *, resume: bool, flow_run_id:
         if not resume:
             status = read_status(layout, opts) or {}
             if not (flow_run_id and status.get("flow_run_id") == flow_run_id):
-                raise ConfigError(
-                    f"run {layout.run_id!r} already exists under {layout.root!r}: resume it "
-                    f"(nrl resume {layout.run_id}) or pick another --run-id"
-                )
+                raise ConfigError(f"run {layout.run_id!r} already exists under {layout.root!r}: {_how_to_resume(layout.run_id)}")
         check_config_hash(layout, cfg)
         return h
     if resume:

@@ -47,8 +47,9 @@ def test_steps_are_named_subflows_with_data_edges(e2e_run):
     runs, tasks = _read_run()
     # the run's first flow run: tests that resume a copy of this run (same run id, same API) add later ones
     parent = min((r for r in runs if r.name == RUN_ID), key=lambda r: r.created)
-    by_name = {r.name: r for r in runs}
     tracking = {t.id: t for t in tasks if t.flow_run_id == parent.id}
+    # the subflows of that flow run (a resumed copy's last step has the same name, under its own flow run)
+    by_name = {r.name: r for r in runs if r.parent_task_run_id in tracking}
     for step in (1, 2, 3):
         sub = by_name[f"{RUN_ID}-step-{step:04d}" + ("-retry1" if step == 2 else "")]
         assert sub.state.is_completed() and sub.parent_task_run_id in tracking  # a group under the run

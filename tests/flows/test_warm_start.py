@@ -1,7 +1,7 @@
 """The warm start the GRPO flow runs itself (``warm_start.sft_steps``): an SFT run ``<run>-sft``,
 then GRPO from its weights; a resume sent the base-model config (as a deployment sends its
-default) reuses the warm start instead of training again; the finished flow run is named after
-the run."""
+default) reuses the warm start instead of training again; the first flow run is named after the
+run, the extension after what it does."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, pref
         no_ws = load_config(str(path), ["warm_start.sft_steps=0", f"policy.model_name={weights}"])
         assert config_hash(no_ws) != saved["config_hash"]
         status = read_status(RunLayout(root, run_id)) or {}
-        assert _flow_run_name(status["flow_run_id"]) == run_id  # renamed from its start-up name when finished
+        assert _flow_run_name(status["flow_run_id"]) == run_id  # renamed from its start-up name
         # extend it as the deployment does: its default config names the base model
         out = grpo(config=str(path), run_id=run_id, resume=True, storage=root, overrides=["grpo.max_num_steps=2"])
     finally:
@@ -57,4 +57,4 @@ def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, pref
     assert out["last_step"] == 2
     assert os.stat(sft_manifest).st_mtime_ns == stamp  # the warm start was reused, not trained again
     status = read_status(RunLayout(root, run_id)) or {}
-    assert _flow_run_name(status["flow_run_id"]) == run_id  # "warm-resume" while it ran
+    assert _flow_run_name(status["flow_run_id"]) == f"{run_id}-extend-2"  # the run's second flow, an extension
