@@ -32,6 +32,7 @@ from prefect import flow, get_run_logger
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.artifacts import publish_eval_table
 from flows.observe.eval_view import is_prefix, target_label
+from flows.observe.quiet_logs import quiet_lifecycle_logs
 from flows.config import MasterConfig, load_config
 from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
 from flows.run.session import own_local_ray, reading_session
@@ -70,7 +71,8 @@ def tag_eval_run(run_ids: Sequence[str]) -> None:
 
 
 def _run_info(root: str, run_id: str) -> dict[str, Any]:
-    """What the eval view links a run by: its training flow run (``status.json``) and storage URI."""
+    """What the eval view links a run by: its training flow runs (``status.json``: the latest and
+    the run's history) and storage URI."""
     from prefect.settings import get_current_settings
 
     layout = RunLayout(root, run_id)
@@ -78,7 +80,9 @@ def _run_info(root: str, run_id: str) -> dict[str, Any]:
         status = read_status(layout) or {}
     except Exception:  # noqa: BLE001 - the view then names no flow run
         status = {}
-    return {"flow_run_id": status.get("flow_run_id"), "run_uri": layout.run_uri, "ui_url": get_current_settings().ui_url}
+    flow_runs = [{k: e.get(k) for k in ("attempt", "kind", "flow_run_id")} for e in status.get("history") or []]
+    return {"flow_run_id": status.get("flow_run_id"), "flow_runs": flow_runs, "run_uri": layout.run_uri,
+            "ui_url": get_current_settings().ui_url}
 
 
 def _hold_pending(
@@ -270,7 +274,8 @@ def eval_sweep(
         tag_eval_run(run_ids)
     out: dict[str, list[Any]] = {"evaluated": [], "skipped": [], "vanished": [], "busy": [], "rows": []}
     try:
-        with own_local_ray():  # one local Ray for the sweep, stopped at its end (flows.run.session)
+        # one local Ray for the sweep, stopped at its end (flows.run.session); logs as quiet as a training run's
+        with own_local_ray(), quiet_lifecycle_logs():
             for run_id in run_ids:
                 out["rows"].extend(_sweep_run(root, run_id, dataset, num_samples, max_prompts, out))
     finally:  # the runs with new evaluations, also when a later one failed

@@ -4,13 +4,13 @@
 
     prompts = prompts(ctx)
     rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
-    rewards = score(ctx, rollouts)
+    rewards = score(ctx, rollouts)                 # (submitted: runs while logprob runs)
     # (grpo.use_dynamic_sampling: generation batches until enough groups have reward variance,
     #  then the step's prompts, rollouts and rewards from them: :func:`flows.algorithms.lanes.sampled_stages`)
     logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
     advantages = advantages(ctx, rollouts, rewards)
     trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
-    checkpoint(ctx, trained)                                # when due
+    checkpoint(ctx, trained)                                # when due (submitted: written while the refit runs)
     refitted = refit(ctx, trained, step)                    # generation workers to version step
     validate(ctx, refitted, step)                           # when due
 
@@ -38,7 +38,7 @@ from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
 from flows.observe.artifacts import (
-    BackgroundPublisher, ProgressHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
+    BackgroundPublisher, ProgressHandle, SummaryHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
 )
 from flows.observe.summary import metrics_window, summary_markdown
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
@@ -85,9 +85,15 @@ def _step_run_name() -> str:
 def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     """Step ``ctx.step`` of the run (see the module docstring)."""
     c = quote(ctx)
-    datasets, ck = policy_lane(ctx, generation_lane(ctx, ctx.step - 1), plan)
+    # score runs beside logprob, the checkpoint beside the refit (each pair reads the same inputs)
+    datasets, ck = policy_lane(ctx, generation_lane(ctx, ctx.step - 1, overlap_score=True), plan, submit_checkpoint=True)
     trained = datasets["train"]
-    refitted = refit(c, trained, trained.weights_version)
+    try:
+        refitted = refit(c, trained, trained.weights_version)
+    finally:  # the checkpoint ends before anything else happens, also when the refit failed
+        if ck is not None:
+            ck.wait()
+    ck = ck.result() if ck is not None else None
     val = validate(c, refitted, trained.weights_version) if plan.validate else None
     from prefect.runtime import flow_run
 
@@ -95,14 +101,21 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     return StepRefs(step=ctx.step, datasets=datasets, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
 
 
-def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None) -> None:
-    """Build and publish the run summary (in the publisher's thread: it lists the checkpoints)."""
+def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None,
+                     handle: SummaryHandle | None = None) -> None:
+    """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
+    ``handle``: the flow run's summary, updated in place."""
+    from flows.run.state import read_status
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     ck = run.cfg.checkpointing
+    history = (read_status(run.layout, run.storage_options) or {}).get("history") or []
     md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
-                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links)
-    publish_summary(run.run_id, md)
+                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=history)
+    if handle is not None:
+        handle.publish(md)
+    else:
+        publish_summary(run.run_id, md)
 
 
 @contextmanager
@@ -139,6 +152,7 @@ def publish_step(
     wall_seconds: float | None,
     publisher: BackgroundPublisher | None = None,
     progress: ProgressHandle | None = None,
+    summary: SummaryHandle | None = None,
     extra: dict[str, Any] | None = None,
     trackers: TrackerSet | None = None,
 ) -> dict[str, Any] | None:
@@ -165,7 +179,7 @@ def publish_step(
         if trackers is not None and publisher is not None:
             publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None:
-            publisher.submit(_publish_summary, run, rows, plan.max_steps, trackers.links() if trackers is not None else None)
+            publisher.submit(_publish_summary, run, rows, plan.max_steps, trackers.links() if trackers is not None else None, summary)
             if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
                 publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
                 n = cfg.logger.num_rollouts_to_show

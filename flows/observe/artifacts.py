@@ -3,7 +3,8 @@
 Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
 publication is a new version of the same keyed artifact in the UI. What a run publishes is bounded
 per step (the Prefect database grows by a constant amount a step, not by one that grows with the
-run): the small summary every step; the metrics table (the newest :data:`~flows.observe.summary.TABLE_WINDOW`
+run): the small summary every step, updated in place (one artifact per flow run: :class:`SummaryHandle`);
+the metrics table (the newest :data:`~flows.observe.summary.TABLE_WINDOW`
 lines, newest first) and the best/worst rollouts at checkpoint steps and the last step; progress
 updated in place. ``metrics.jsonl`` keeps every line. The eval view of a sweep target
 (:mod:`flows.observe.eval_view`) gets a new version only when its content changed (:func:`publish_eval_view`).
@@ -21,6 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "BackgroundPublisher",
+    "ProgressHandle",
+    "SummaryHandle",
     "artifact_key",
     "publish_eval_table",
     "publish_eval_view",
@@ -199,8 +202,53 @@ def publish_rollouts(run_id: str, markdown: str) -> None:
         logger.warning("rollouts artifact not published: %s", exc)
 
 
+class SummaryHandle:
+    """The run summary of one flow run (:mod:`flows.observe.summary`): the keyed markdown artifact
+    ``nrl-<run>-summary`` created at the first publication, then updated in place (``PATCH
+    /artifacts/{id}``; the key's latest version follows), so a flow run shows one summary in the
+    Artifacts tab whatever its length; each later flow run of the run (a resume, an extension)
+    adds one version of the key."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.artifact_id: Any = None
+
+    def publish(self, markdown: str) -> None:
+        if not _in_run_context():
+            return
+        from prefect.artifacts import create_markdown_artifact
+
+        try:
+            if self.artifact_id is None:
+                key = artifact_key(self.run_id, "summary")
+                self.artifact_id = create_markdown_artifact(markdown=markdown, key=key, description=f"summary of run {self.run_id}")
+                self._log_link(key)
+                return
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactUpdate
+
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.artifact_id, ArtifactUpdate(data=markdown))
+        except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
+            logger.warning("summary artifact not published: %s", exc)
+
+
+    def _log_link(self, key: str) -> None:
+        """One line in the flow run's log (its page opens on the logs) with the summary's page in
+        the Prefect UI (V2's ``/artifacts/key/<key>``: always the latest), when a UI URL is known."""
+        from prefect import get_run_logger
+        from prefect.settings import get_current_settings
+
+        ui = get_current_settings().ui_url
+        if ui:
+            base = ui.rstrip("/")
+            base = base if base.endswith("/v2") else base + "/v2"
+            get_run_logger().info("summary of run %s (updated every step): %s/artifacts/key/%s", self.run_id, base, key)
+
+
 def publish_summary(run_id: str, markdown: str) -> None:
-    """The run's summary artifact (:mod:`flows.observe.summary`), replaced every step."""
+    """The run's summary artifact (:mod:`flows.observe.summary`) as a new version of its key
+    (a flow publishing every step keeps one :class:`SummaryHandle` instead)."""
     if not _in_run_context():
         return
     from prefect.artifacts import create_markdown_artifact

@@ -1,13 +1,14 @@
 """The eval view: one markdown artifact per sweep target comparing a run's evaluated checkpoints.
 
 Pure functions (rows in, markdown out), so the view is testable without Prefect or storage. Per
-training run: a link to its flow run in the Prefect UI (``<PREFECT_UI_URL>/runs/flow-run/<id>``;
-without a UI URL the flow-run id and the run's storage URI); then per dataset: the best checkpoint
-by accuracy (ties: the earlier step), text curves of accuracy and pass@k over the checkpoints in
-step order (:func:`flows.observe.summary.sparkline`, at most :data:`~flows.observe.summary.CURVE_WIDTH`
-characters whatever the count), and a table of the newest :data:`TABLE_ROWS` checkpoints in step
+training run: a link to its latest flow run in the Prefect UI's current (V2) pages
+(``<PREFECT_UI_URL>/v2/runs/flow-run/<id>``) and to its earlier ones (a resume, an extension: the
+run's history, :mod:`flows.run.history`); without a UI URL the flow-run id and the run's storage URI; then per dataset: the best checkpoint
+by accuracy (ties: the earlier step) and a table of the newest :data:`TABLE_ROWS` checkpoints in step
 order, the best one starred, each with a link to its files (local paths and http(s); ``s3://``
-stays plain text).
+stays plain text). At the top, one plot (:func:`flows.observe.plot.line_plot_png`, axes, ticks,
+legend, 0-1 scale) of accuracy per checkpoint step for the newest :data:`PLOT_SERIES` run/dataset
+pairs shown (one run with one dataset: its accuracy and pass@k).
 
 Its size is bounded (:data:`MAX_RUNS` runs, :data:`MAX_DATASETS` datasets a run, :data:`TABLE_ROWS`
 rows a table) and it holds nothing that changes between two sweeps that evaluated nothing new (no
@@ -29,7 +30,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flows.observe.summary import sparkline
 from flows.run.storage_root import normalize_root
 from nrl_tasks.run_layout import parse_step_dir
 
@@ -44,6 +44,10 @@ TABLE_ROWS = 50
 MAX_RUNS = 20
 #: datasets shown a run at most
 MAX_DATASETS = 8
+#: earlier flow runs of a run linked at most (the newest)
+EARLIER_FLOW_RUNS = 5
+#: curves in the view's plot at most (the newest run/dataset pairs shown)
+PLOT_SERIES = 6
 
 
 def is_prefix(target: str) -> bool:
@@ -65,12 +69,18 @@ def target_label(target: str) -> str:
 def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:
     """The Prefect UI page of a flow run, ``None`` without a UI URL or id.
 
+    Prefect 3.9 serves its current UI (V2, the default) under ``/v2``; the same path without it
+    opens the old one.
+
     >>> flow_run_url("http://127.0.0.1:4200/", "abc")
-    'http://127.0.0.1:4200/runs/flow-run/abc'
+    'http://127.0.0.1:4200/v2/runs/flow-run/abc'
+    >>> flow_run_url("http://127.0.0.1:4200/v2", "abc")
+    'http://127.0.0.1:4200/v2/runs/flow-run/abc'
     """
     if not ui_url or not flow_run_id:
         return None
-    return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}"
+    base = ui_url.rstrip("/")
+    return f"{base if base.endswith('/v2') else base + '/v2'}/runs/flow-run/{flow_run_id}"
 
 
 def _code(text: Any) -> str:
@@ -120,6 +130,11 @@ def _run_header(run_id: str, info: Mapping[str, Any]) -> str:
         parts = [f"training run: [flow run {fr}]({url})"]
     else:
         parts = [f"training run: flow run {_code(fr)}" if fr else "training run: no flow-run id recorded"]
+    earlier = [e for e in info.get("flow_runs") or [] if e.get("flow_run_id") and e["flow_run_id"] != fr][-EARLIER_FLOW_RUNS:]
+    if earlier:
+        links = [f"[{e.get('attempt', '?')} {e.get('kind', '')}]({flow_run_url(info.get('ui_url'), e['flow_run_id'])})"
+                 if info.get("ui_url") else f"{e.get('attempt', '?')} {e.get('kind', '')} {_code(e['flow_run_id'])}" for e in earlier]
+        parts.append("earlier flow runs: " + ", ".join(links))
     if info.get("run_uri"):
         parts.append(f"storage {uri_link(info['run_uri'])}")
     return f"## Run {_code(run_id)}\n\n" + " · ".join(parts)
@@ -136,13 +151,12 @@ def _dataset_section(dataset: str, rows: list[Mapping[str, Any]], table_rows: in
         f"best: {best['checkpoint']} (accuracy {_num(best['accuracy'])})" if best is not None else "best: n/a (no accuracy)"
     )
     span = f"{first}..{last}" if len(rows) > 1 else first
-    out += [
-        "",
-        f"accuracy, {span}: {_code(sparkline([r.get('accuracy') for r in rows]) or 'n/a')}",
-        "",
-        f"{pass_name}, {span}: {_code(sparkline([r.get('pass_at_k') for r in rows]) or 'n/a')}",
-        "",
-    ]
+    known = [r for r in rows if r.get("accuracy") is not None]
+    if known:
+        last_pass = rows[-1].get("pass_at_k")
+        tail = f" ({pass_name} last {_num(last_pass)})" if last_pass is not None else ""
+        out += ["", f"accuracy {span}: first {_num(known[0]['accuracy'])}, last {_num(known[-1]['accuracy'])}{tail}"]
+    out += [""]
     shown = rows[-table_rows:]
     if len(shown) < len(rows):
         out += [f"the newest {len(shown)} of {len(rows)} checkpoints:", ""]
@@ -157,6 +171,24 @@ def _dataset_section(dataset: str, rows: list[Mapping[str, Any]], table_rows: in
             f"| {_num(r.get('sample_reward_mean'))} | {_num(r.get('num_prompts'))} | {uri_link(r.get('checkpoint_uri'))} |"
         )
     return out + [""]
+
+
+def _plot_section(by_run: Mapping[str, Mapping[str, list[Mapping[str, Any]]]], run_ids: Sequence[str]) -> list[str]:
+    """The view's plot (see the module docstring) as markdown lines; none when nothing has an accuracy."""
+    from flows.observe.plot import GREEN, PALETTE, Series, line_plot_png, png_data_uri
+
+    pairs = [(r, d) for r in run_ids for d in sorted(by_run[r], key=lambda d: (d != "val", d))[:MAX_DATASETS]][-PLOT_SERIES:]
+    series = []
+    for i, (run_id, ds) in enumerate(pairs):
+        rows = sorted(by_run[run_id][ds], key=_step)
+        label = "accuracy" if len(pairs) == 1 else f"{run_id}" + (f" / {ds}" if ds != "val" else "")
+        series.append(Series(label, [(_step(r), r.get("accuracy")) for r in rows], PALETTE[i % len(PALETTE)], dots=True))
+        if len(pairs) == 1 and any(r.get("pass_at_k") is not None for r in rows):
+            series.append(Series("pass@k", [(_step(r), r.get("pass_at_k")) for r in rows], GREEN, dots=True))
+    if not any(y is not None for s in series for _, y in s.points):
+        return []
+    png = line_plot_png(series, x_label="checkpoint step", y_label="accuracy")
+    return [f"![accuracy per checkpoint step ({len(pairs)} run/dataset curve(s))]({png_data_uri(png)})", ""]
 
 
 def eval_view_markdown(
@@ -186,6 +218,7 @@ def eval_view_markdown(
         out.append(f"The last {max_runs} runs are shown ({len(run_ids) - max_runs} older not shown).")
         run_ids = run_ids[-max_runs:]
     out.append("")
+    out += _plot_section(by_run, run_ids)
     for run_id in run_ids:
         out += [_run_header(run_id, runs.get(run_id) or {}), ""]
         datasets = by_run[run_id]

@@ -2,9 +2,11 @@
 
 What a person watching the run in the Prefect UI wants at a glance: step ``k`` of ``N``, the latest
 and best reward, text curves of reward and eval accuracy (unicode sparklines: they render in any
-markdown) and a small PNG plot of them (:mod:`flows.observe.plot`, inline: Prefect's UI renders a
-data-URI image), time per step and ETA, the last checkpoint and the best one by
-``checkpointing.metric_name``. Its size does not grow with the run: the curves are downsampled to
+markdown) and a readable PNG plot of them (:mod:`flows.observe.plot`: axes, ticks, legend, the
+reward's moving average, a 0-1 scale for rates; inline: Prefect's UI renders a data-URI image), time per step and ETA, the last checkpoint and the best one by
+``checkpointing.metric_name``, and the run's history: every flow run of it (start, resumes,
+extensions, retries), when it ran, what it restored and replayed and how it ended (crashed,
+failed, interrupted, completed; :func:`history_markdown`). Its size does not grow with the run: the curves are downsampled to
 at most :data:`CURVE_WIDTH` points, so the Prefect database grows by about the same number of
 bytes every step (each replacement is a new version of the keyed artifact).
 
@@ -23,12 +25,14 @@ from typing import Any
 
 from flows.observe.plot import bucket_means
 
-__all__ = ["CURVE_WIDTH", "TABLE_WINDOW", "metrics_window", "sparkline", "summary_markdown"]
+__all__ = ["CURVE_WIDTH", "HISTORY_ROWS", "TABLE_WINDOW", "history_markdown", "metrics_window", "sparkline", "summary_markdown"]
 
 #: points of a text curve at most (older steps are averaged into buckets)
 CURVE_WIDTH = 60
 #: rows of the metrics-table artifact (newest first)
 TABLE_WINDOW = 30
+#: flows of the run listed in the summary's history (the newest; ``status.json`` keeps more)
+HISTORY_ROWS = 8
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -57,6 +61,33 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def _clock(unix: Any) -> str:
+    import time
+
+    return time.strftime("%m-%d %H:%M:%S", time.gmtime(float(unix))) if isinstance(unix, (int, float)) else "?"
+
+
+def history_markdown(history: Sequence[Mapping[str, Any]], rows: int = HISTORY_ROWS) -> list[str]:
+    """The run's history (``status.json`` ``history``, :mod:`flows.run.history`) as markdown lines:
+    one row per flow of the run (the newest ``rows``), what it did, when (UTC) and how it ended."""
+    if not history:
+        return []
+    out = ["", f"**History** ({len(history)} flow run(s) of this run{', the last ' + str(rows) if len(history) > rows else ''}, UTC):", "",
+           "| # | kind | started | ended | outcome | trained before | restored from | replayed |", "|---:|---|---|---|---|---:|---|---|"]
+    for e in history[-rows:]:
+        restored = e.get("restore_from")
+        restored = "-" if restored is None else "initial weights" if restored == 0 else f"checkpoint {restored}"
+        replay = e.get("replay") or []
+        replayed = "-" if not replay else f"{replay[0]}..{replay[-1]}" if len(replay) > 2 else ", ".join(map(str, replay))
+        outcome = e.get("outcome") or "running"
+        if e.get("error"):
+            outcome += f": {str(e['error'])[:60]}"
+        out.append(f"| {e.get('attempt', '?')} | {e.get('kind', '?')} | {_clock(e.get('started_unix'))} | "
+                   f"{_clock(e['ended_unix']) if e.get('ended_unix') else '-'} | {outcome.replace('|', '/')} | "
+                   f"{e.get('trained', '-')} | {restored} | {replayed} |")
+    return out
+
+
 def metrics_window(rows: Sequence[Mapping[str, Any]], n: int = TABLE_WINDOW) -> list[dict[str, Any]]:
     """The newest ``n`` metrics lines, newest first (the metrics-table artifact)."""
     return [dict(r) for r in reversed(rows[-n:])]
@@ -72,9 +103,11 @@ def summary_markdown(
     higher_is_better: bool = True,
     links: Mapping[str, str] | None = None,
     plot: bool = True,
+    history: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The summary of a run from its metrics lines and checkpoints (see the module docstring);
-    ``plot``: also the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI)."""
+    ``plot``: also the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI); ``history``:
+    the run's flows (:func:`history_markdown`)."""
     if not rows:
         return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
     last = rows[-1]
@@ -115,6 +148,7 @@ def summary_markdown(
         from flows.observe.plot import plot_data_uri
 
         index = {int(r["step"]): i for i, r in enumerate(rows)}
-        uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals])
-        lines += ["", f"![reward per step (blue) and eval accuracy (red), steps {rows[0]['step']}..{step}]({uri})"]
+        uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals], first_step=int(rows[0]["step"]))
+        lines += ["", f"![reward per step, its moving average and eval accuracy, steps {rows[0]['step']}..{step}]({uri})"]
+    lines += history_markdown(history)
     return "\n".join(lines) + "\n"

@@ -11,7 +11,6 @@ import re
 import pytest
 
 from flows.observe.eval_view import eval_view_markdown, flow_run_url, target_label, uri_link, view_digest
-from flows.observe.summary import sparkline
 
 RUN_ID = "eval-view"
 
@@ -25,6 +24,12 @@ def _rows(accuracies, run_id="r1", dataset="val", root="/data/runs", k=4):
         }
         for s, a in accuracies
     ]
+
+
+def _plot(md: str) -> bytes:
+    import base64
+
+    return base64.b64decode(md.split("(data:image/png;base64,", 1)[1].split(")", 1)[0])
 
 
 def _table_lines(md: str) -> list[str]:
@@ -42,15 +47,20 @@ def test_checkpoints_in_step_order_with_curves():
     rows = _rows([(10, 0.5), (2, 0.0), (6, 1.0)])  # out of order, as storage may list them
     md = eval_view_markdown("r1", rows)
     assert [ln.split("|")[2].strip() for ln in _table_lines(md)] == ["step_000002", "step_000006", "step_000010"]
-    assert f"accuracy, step_000002..step_000010: `{sparkline([0.0, 1.0, 0.5])}`" in md
-    assert f"pass@4, step_000002..step_000010: `{sparkline([0.25, 1.0, 0.75])}`" in md
+    assert "accuracy step_000002..step_000010: first 0.000, last 0.500 (pass@4 last 0.750)" in md
+    png = _plot(md)  # the curves: a plot with axes, ticks and a legend (flows.observe.plot), not text blocks
+    assert png.startswith(b"\x89PNG") and len(png) < 12_000
     assert "| 0.000 | 0.250 | 4 | 0.000 | 8 |" in md  # accuracy, pass@k, k, sample reward, prompts
 
 
 def test_links_to_checkpoints_and_the_training_run():
     runs = {"r1": {"flow_run_id": "1234-abcd", "run_uri": "/data/runs/r1", "ui_url": "http://127.0.0.1:4200/"}}
     md = eval_view_markdown("runs", _rows([(2, 0.5)]), runs)
-    assert "[flow run 1234-abcd](http://127.0.0.1:4200/runs/flow-run/1234-abcd)" in md
+    assert "[flow run 1234-abcd](http://127.0.0.1:4200/v2/runs/flow-run/1234-abcd)" in md  # the current UI
+    extended = {"r1": dict(runs["r1"], flow_runs=[{"attempt": 1, "kind": "start", "flow_run_id": "0000-start"},
+                                                  {"attempt": 2, "kind": "extend", "flow_run_id": "1234-abcd"}])}
+    md = eval_view_markdown("runs", _rows([(2, 0.5)]), extended)
+    assert "earlier flow runs: [1 start](http://127.0.0.1:4200/v2/runs/flow-run/0000-start)" in md
     assert "[/data/runs/r1/checkpoints/step_000002](file:///data/runs/r1/checkpoints/step_000002)" in md
     no_ui = {"r1": {"flow_run_id": "1234-abcd", "run_uri": "s3://bkt/runs/r1"}}
     s3 = eval_view_markdown("runs", _rows([(2, 0.5)], root="s3://bkt/runs"), no_ui)
@@ -66,12 +76,12 @@ def test_bounded_table_and_curve():
     lines = _table_lines(md)
     assert len(lines) == 50 and "step_000071" in lines[0] and "step_000120" in lines[-1]
     assert "the newest 50 of 120 checkpoints" in md
-    curve = re.search(r"accuracy, step_000001\.\.step_000120: `([^`]*)`", md).group(1)
-    assert 0 < len(curve) <= 60
+    assert len(re.findall(r"!\[accuracy per checkpoint step", md)) == 1 and len(_plot(md)) < 12_000  # one plot a view
     many = [r for i in range(30) for r in _rows([(2, 0.5)], run_id=f"run{i:02d}")]
     md_many = eval_view_markdown("runs", many)
     assert "## Run `run29`" in md_many and "## Run `run09`" not in md_many and "(10 older not shown)" in md_many
-    assert len(md) < 12_000
+    assert len(md) < 24_000 and len(md_many) < 24_000  # the table, the links and one ~4 KB plot (base64)
+    assert len(re.findall(r"!\[accuracy per checkpoint step \(6 run/dataset", md_many)) == 1  # the newest 6 pairs
 
 
 def test_runs_and_datasets_grouped_and_digest():
@@ -149,8 +159,8 @@ def test_eval_sweep_publishes_the_view_once_and_names_its_runs(trained_run, pref
     md = arts[0].data
     print(md)  # the example in the report
     training_id = json.load(open(os.path.join(root, RUN_ID, "status.json")))["flow_run_id"]
-    assert f"/runs/flow-run/{training_id})" in md and md.count("| ★ |") == 1 and "best: step_00000" in md
-    assert "accuracy, step_000001..step_000002: `" in md and "pass@2, step_000001..step_000002: `" in md
+    assert f"/v2/runs/flow-run/{training_id})" in md and md.count("| ★ |") == 1 and "best: step_00000" in md
+    assert "accuracy step_000001..step_000002: first " in md and "(pass@2 last " in md and len(_plot(md)) < 12_000
     assert f"(file://{root}/{RUN_ID}/checkpoints/step_000002)" in md
     # the evaluations are curves in the training run's own tracker run (TensorBoard here)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

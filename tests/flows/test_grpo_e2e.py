@@ -107,8 +107,8 @@ def test_prefect_state_and_artifacts(e2e_run):
     step2 = {r.name: r for r in runs}
     assert step2[f"{RUN_ID}-step-0002"].state.is_failed() and step2[f"{RUN_ID}-step-0002-retry1"].state.is_completed()
     # bounded: the metrics table (newest lines first) and the rollouts at checkpoint steps 2 and 3 and
-    # the end, the summary every step
-    assert len(arts["metrics"]) == 2 and len(arts["rollouts"]) == 2 and len(arts["summary"]) == 3
+    # the end; the summary one artifact, updated in place every step (issue 29: a short Artifacts tab)
+    assert len(arts["metrics"]) == 2 and len(arts["rollouts"]) == 2 and len(arts["summary"]) == 1
     tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in arts["metrics"]]
     assert sorted([r["step"] for r in t] for t in tables) == [[2, 1], [3, 2, 1]]
     assert arts["progress"] and "Best" in arts["rollouts"][0].data

@@ -46,7 +46,7 @@ def test_summary_carries_a_small_png_plot_of_reward_and_eval():
 
     from PIL import Image
 
-    from flows.observe.plot import SIZE
+    from flows.observe.plot import BLUE, MAX_PNG_BYTES, RED, SIZE
     from flows.observe.summary import summary_markdown
 
     def plot_of(n: int) -> bytes:
@@ -58,6 +58,34 @@ def test_summary_carries_a_small_png_plot_of_reward_and_eval():
     img = Image.open(io.BytesIO(png)).convert("RGB")
     assert img.size == SIZE
     colours = set(img.getdata())
-    assert (31, 119, 180) in colours and (214, 39, 40) in colours  # the reward line and the eval dots
-    assert len(png) < 4096 and len(plot_of(3000)) < 4096  # small, whatever the run's length
+
+    def near(c):  # the palette PNG keeps each colour within a few levels
+        return any(sum(abs(a - b) for a, b in zip(c, have)) < 24 for have in colours)
+
+    assert near(BLUE) and near(RED)  # the reward's moving average and the eval dots
+    dark = sum(1 for p in img.getdata() if sum(p) < 200)  # text: tick numbers, axis labels, the legend
+    assert dark > 300, dark
+    assert len(png) < MAX_PNG_BYTES and len(plot_of(3000)) < MAX_PNG_BYTES  # small, whatever the run's length
     assert "data:image" not in summary_markdown("r", [{"step": 1, "reward_mean": 0.1}], 3, plot=False)
+
+
+def test_summary_lists_the_runs_history():
+    from flows.run.history import begin_attempt, end_attempt
+
+    h = begin_attempt({}, kind="start", flow_run_id="a", max_steps=10)
+    # the first flow was SIGKILLed (left open, its process gone); the second restores and replays
+    h = begin_attempt({"status": "running", "history": h}, kind="resume", flow_run_id="b", max_steps=10,
+                      previous_outcome="crashed", trained=6, restore_from=4, replay=(5, 6))
+    h = end_attempt(h, "failed", "RuntimeError: boom\nmore")
+    h = begin_attempt({"status": "failed", "history": h}, kind="retry", flow_run_id="b", max_steps=10, trained=7,
+                      restore_from=0, replay=(1, 2, 3, 4, 5, 6, 7))
+    assert [(e["attempt"], e["kind"], e.get("outcome")) for e in h] == [(1, "start", "crashed"), (2, "resume", "failed"),
+                                                                     (3, "retry", None)]
+    md = summary_markdown("r", _rows(7), 10, plot=False, history=h)
+    assert "**History** (3 flow run(s) of this run, UTC):" in md
+    table = md.split("**History**", 1)[1].splitlines()
+    assert table[4].startswith("| 1 | start |") and "| - | crashed | - | - | - |" in table[4]
+    assert "| failed: RuntimeError: boom | 6 | checkpoint 4 | 5, 6 |" in table[5]
+    assert table[6].endswith("| running | 7 | initial weights | 1..7 |")
+    many = [e for _ in range(40) for e in h]
+    assert len(summary_markdown("r", _rows(7), 10, plot=False, history=many).split("**History**", 1)[1].splitlines()) == 4 + 8
