@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
@@ -48,15 +49,18 @@ __all__ = ["GenerationLane", "data_stages", "generation_lane", "policy_inputs", 
 # the generation lane
 
 
-def generation_lane(ctx: StepContext, version: int) -> dict[str, Any]:
+def generation_lane(ctx: StepContext, version: int, *, overlap_score: bool = False) -> dict[str, Any]:
     """The step's ``prompts``, ``rollouts`` and ``rewards``, generated on weights ``version``, in
-    the caller's thread (with dynamic sampling: :func:`sampled_stages`)."""
+    the caller's thread (with dynamic sampling: :func:`sampled_stages`). ``overlap_score``: when
+    the policy lane computes logprobs, ``score`` is submitted (``rewards`` is then its future) to
+    run while ``logprob`` does: both read only the rollouts (:func:`policy_inputs` waits for it)."""
     if ctx.cfg.grpo.use_dynamic_sampling:
         return sampled_stages(ctx, version)
     c = quote(ctx)
     p = prompts(c)
     r = generate(c, p, version)
-    return {"prompts": p, "rollouts": r, "rewards": score(c, r)}
+    rewards = score.submit(c, r) if overlap_score and logprob_needed(ctx.cfg) else score(c, r)
+    return {"prompts": p, "rollouts": r, "rewards": rewards}
 
 
 def sampled_stages(ctx: StepContext, version: int) -> dict[str, DatasetRef]:
@@ -135,20 +139,32 @@ def policy_inputs(ctx: StepContext, gen: dict[str, Any], weights_version: int) -
     """The generation lane's datasets plus ``logprobs`` (on the policy at ``weights_version``;
     ``None`` when nothing reads them) and ``advantages``: what ``train`` reads."""
     c = quote(ctx)
-    rollouts = gen["rollouts"]
-    logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
-    advs = advantages(c, rollouts, gen["rewards"], logprobs if needs_logprobs(ctx.cfg) else None)
-    return {"prompts": gen["prompts"], "rollouts": rollouts, "rewards": gen["rewards"], "logprobs": logprobs,
+    rollouts, rewards = gen["rollouts"], gen["rewards"]
+    try:
+        logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
+    finally:  # a submitted score (overlap_score) ends before anything else happens, also on an error
+        if isinstance(rewards, PrefectFuture):
+            rewards.wait()
+    if isinstance(rewards, PrefectFuture):
+        rewards = rewards.result()  # its own error, as the inline call would raise it
+    advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
+    return {"prompts": gen["prompts"], "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs,
             "advantages": advs}
 
 
-def policy_lane(ctx: StepContext, gen: dict[str, Any], plan: Any) -> tuple[dict[str, Any], Any]:
+def policy_lane(ctx: StepContext, gen: dict[str, Any], plan: Any, *, submit_checkpoint: bool = False) -> tuple[dict[str, Any], Any]:
     """``logprob`` -> ``advantages`` -> ``train`` of step ``ctx.step`` (the policy holds version
     ``step - 1``), then ``checkpoint`` when ``plan.checkpoint``: the step's datasets (``train``
-    included) and the checkpoint's reference (``None`` when not due)."""
+    included) and the checkpoint's reference (``None`` when not due; with ``submit_checkpoint``
+    its future, so that the caller refits while it is written: both only read the trained weights)."""
     data = policy_inputs(ctx, gen, ctx.step - 1)
     trained = train(quote(ctx), data["rollouts"], data["logprobs"], data["advantages"])
-    ck = checkpoint(quote(ctx), trained, plan.config_hash) if plan.checkpoint else None
+    if not plan.checkpoint:
+        ck = None
+    elif submit_checkpoint:
+        ck = checkpoint.submit(quote(ctx), trained, plan.config_hash)
+    else:
+        ck = checkpoint(quote(ctx), trained, plan.config_hash)
     return {**data, "train": trained}, ck
 
 
