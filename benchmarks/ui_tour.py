@@ -71,6 +71,7 @@ def shoot(url: str, path: str, *, width: int = 1500, height: int = 1100, budget_
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
             [chromium, "--headless", "--no-sandbox", "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--hide-scrollbars", f"--user-data-dir={profile}",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
              f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}", f"--screenshot={path}", url],
             check=True, capture_output=True, timeout=180,
         )
@@ -149,6 +150,10 @@ def run_tour(args: argparse.Namespace, procs: Processes, env: dict[str, str], ap
         raise RuntimeError(f"the grpo run failed ({train.returncode}); see {tmp}/grpo.log")
     grpo_run = next(r for r in _flow_runs(api, "grpo") if r["name"] == run_id)
     shoot(f"{ui}/runs/flow-run/{grpo_run['id']}", os.path.join(out, "flow-run.png"), height=1400)
+    aid = _artifact_id(api, key)
+    if aid:  # the summary at the end: plot, history
+        shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-end.png"), height=1400)
+    shoot(f"{ui}/runs", os.path.join(out, "runs-list.png"), height=1400)  # the runs list at the UI's default settings
     # the steps list (the run's step subflow runs) and one step's graph: its stage tasks and edges
     step_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-step"]}}, "limit": 1})
     if step_flow:  # the UI's page of the grpo-step flow lists every step's subflow run
@@ -243,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         server = procs.start([os.path.join(BIN, "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              env, os.path.join(tmp, "server.log"))
         _wait_http(f"{api}/health", 240, server)
+        pages = f"{ui}/v2"  # Prefect 3.9's current UI (the same paths without /v2 open the old one)
         if "run" in args.parts:
-            run_tour(args, procs, env, api, ui, out, tmp)
+            run_tour(args, procs, env, api, pages, out, tmp)
         if "multi-turn" in args.parts:
-            multi_turn_tour(procs, env, api, ui, out, tmp, args.multi_turn_steps)
+            multi_turn_tour(procs, env, api, pages, out, tmp, args.multi_turn_steps)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()
