@@ -1,14 +1,16 @@
-"""The run summary: one small Prefect markdown artifact per run, replaced every step.
+"""The run summary: one small Prefect markdown artifact per flow run, updated every step.
 
 What a person watching the run in the Prefect UI wants at a glance: step ``k`` of ``N``, the latest
-and best reward, text curves of reward and eval accuracy (unicode sparklines: they render in any
-markdown) and a readable PNG plot of them (:mod:`flows.observe.plot`: axes, ticks, legend, the
-reward's moving average, a 0-1 scale for rates; inline: Prefect's UI renders a data-URI image), time per step and ETA, the last checkpoint and the best one by
+and best reward, a readable PNG plot of reward and eval accuracy (:mod:`flows.observe.plot`: axes,
+ticks, a legend, the reward's moving average, a 0-1 scale for rates; inline: Prefect's UI renders a
+data-URI image; with ``plot=False`` text curves instead, unicode sparklines, which Prefect's UI
+draws as black blocks), time per step and ETA, the last checkpoint and the best one by
 ``checkpointing.metric_name``, and the run's history: every flow run of it (start, resumes,
 extensions, retries), when it ran, what it restored and replayed and how it ended (crashed,
-failed, interrupted, completed; :func:`history_markdown`). Its size does not grow with the run: the curves are downsampled to
-at most :data:`CURVE_WIDTH` points, so the Prefect database grows by about the same number of
-bytes every step (each replacement is a new version of the keyed artifact).
+failed, interrupted, completed; :func:`history_markdown`). Its size does not grow with the run:
+the curves are downsampled to the plot's width (:data:`CURVE_WIDTH` points for text) and the
+history to :data:`HISTORY_ROWS` rows, and it is updated in place
+(:class:`flows.observe.artifacts.SummaryHandle`).
 
 >>> sparkline([0.0, 0.5, 1.0])
 '▁▅█'
@@ -106,7 +108,7 @@ def summary_markdown(
     history: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The summary of a run from its metrics lines and checkpoints (see the module docstring);
-    ``plot``: also the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI); ``history``:
+    ``plot``: the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI), else text curves; ``history``:
     the run's flows (:func:`history_markdown`)."""
     if not rows:
         return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
@@ -141,10 +143,11 @@ def summary_markdown(
             lines.append(f"| best checkpoint ({metric_name}) | step {s} ({_fmt(v)}): `{uri}` |")
     for name, url in (links or {}).items():  # tracker runs: a link, or where the files are
         lines.append(f"| {name} | {f'[{url}]({url})' if url.startswith(('http://', 'https://')) else f'`{url}`'} |")
-    lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
-    if evals:
-        lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
-    if plot:
+    if not plot:  # text curves (Prefect's UI draws these blocks poorly: the plot replaces them there)
+        lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
+        if evals:
+            lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
+    else:
         from flows.observe.plot import plot_data_uri
 
         index = {int(r["step"]): i for i, r in enumerate(rows)}

@@ -12,7 +12,7 @@ def _rows(n: int) -> list[dict]:
 
 def test_summary_after_ten_steps():
     md = summary_markdown("r1", _rows(10), 40, checkpoints=[(5, "runs/r1/checkpoints/step_000005"),
-                                                            (10, "runs/r1/checkpoints/step_000010")])
+                                                            (10, "runs/r1/checkpoints/step_000010")], plot=False)
     assert "# Run `r1`: step 10 of 40" in md
     assert "| reward (latest) | 1.000 |" in md and "| reward (best) | 1.000 at step 10 |" in md
     assert "| time per step | 2.00 s (median of the last 10) |" in md
@@ -21,7 +21,7 @@ def test_summary_after_ten_steps():
     assert "| last checkpoint | step 10: `runs/r1/checkpoints/step_000010` |" in md
     assert "| best checkpoint (val_accuracy) | step 10 (1.000): `runs/r1/checkpoints/step_000010` |" in md
     assert "reward, steps 1..10: `▁▂▃▃▄▅▆▆▇█`" in md
-    lower = summary_markdown("r1", _rows(10), 40, checkpoints=[(5, "a"), (10, "b")], higher_is_better=False)
+    lower = summary_markdown("r1", _rows(10), 40, checkpoints=[(5, "a"), (10, "b")], higher_is_better=False, plot=False)
     assert "| best checkpoint (val_accuracy) | step 5 (0.500): `a` |" in lower
 
 
@@ -67,6 +67,7 @@ def test_summary_carries_a_small_png_plot_of_reward_and_eval():
     assert dark > 300, dark
     assert len(png) < MAX_PNG_BYTES and len(plot_of(3000)) < MAX_PNG_BYTES  # small, whatever the run's length
     assert "data:image" not in summary_markdown("r", [{"step": 1, "reward_mean": 0.1}], 3, plot=False)
+    assert "`▁" not in summary_markdown("r", _rows(10), 40) and "`▁" in summary_markdown("r", _rows(10), 40, plot=False)
 
 
 def test_summary_lists_the_runs_history():
