@@ -32,6 +32,7 @@ the metrics-table artifact (newest lines first) and the best and worst rollouts 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger
@@ -107,9 +108,10 @@ def step_plan(cfg: MasterConfig, step: int, *, chash: str, write_line: bool = Tr
 
 def run_grpo_steps(
     run: RunContext, *, chash: str, refit_generation: bool, policy_fresh: bool = False, fence: Callable[[], None] | None = None,
-    optimizer_reset: int | None = None,
+    optimizer_reset: int | None = None, history: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Recover, then run the steps of a run on its schedule (the body of the flow). ``fence()``
+    """Recover, then run the steps of a run on its schedule (the body of the flow). ``history``:
+    the run's history (``status.json``), shown in the run summary. ``fence()``
     runs before each step and raises when this flow may no longer write the run (its lease was
     taken over). ``optimizer_reset``: the checkpoint restored without optimizer state
     (``--fresh-optimizer``; any other such restore stops the run): the metrics line of the first
@@ -136,7 +138,7 @@ def run_grpo_steps(
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     budget = RetryBudget(cfg)
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
-    progress, summary = ProgressHandle(run.run_id), SummaryHandle(run.run_id)
+    progress, summary = ProgressHandle(run.run_id), SummaryHandle(run.run_id, history)
     publisher = BackgroundPublisher()
     lines = read_metrics(layout.metrics_uri, opts)
     have_lines = {int(r["step"]) for r in lines}
@@ -241,7 +243,7 @@ def grpo(
             info = run_grpo_steps(
                 session.context(), chash=session.config_hash, policy_fresh=not rt.policy_attached,
                 refit_generation=session.start.refit_generation(workers_attached=rt.generation_attached),  # flows.run.start
-                fence=session.fence, optimizer_reset=session.start.optimizer_reset,
+                fence=session.fence, optimizer_reset=session.start.optimizer_reset, history=session.history,
             )
     rows = read_metrics(layout.metrics_uri, opts)
     from nrl_tasks.stages.checkpoint import list_checkpoints

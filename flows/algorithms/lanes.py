@@ -26,7 +26,8 @@ committed skips.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
@@ -42,7 +43,9 @@ from nrl_tasks.stages.schedule import Event
 from nrl_tasks.stages.score import score
 from nrl_tasks.stages.train import train
 
-__all__ = ["GenerationLane", "data_stages", "generation_lane", "policy_inputs", "policy_lane", "sampled_stages"]
+__all__ = ["GenerationLane", "beside", "data_stages", "generation_lane", "policy_inputs", "policy_lane", "sampled_stages"]
+
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,17 +142,24 @@ def policy_inputs(ctx: StepContext, gen: dict[str, Any], weights_version: int) -
     """The generation lane's datasets plus ``logprobs`` (on the policy at ``weights_version``;
     ``None`` when nothing reads them) and ``advantages``: what ``train`` reads."""
     c = quote(ctx)
-    rollouts, rewards = gen["rollouts"], gen["rewards"]
-    try:
-        logprobs = logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None
-    finally:  # a submitted score (overlap_score) ends before anything else happens, also on an error
-        if isinstance(rewards, PrefectFuture):
-            rewards.wait()
-    if isinstance(rewards, PrefectFuture):
-        rewards = rewards.result()  # its own error, as the inline call would raise it
+    rollouts = gen["rollouts"]
+    # a submitted score (overlap_score) runs while logprob does
+    logprobs, rewards = beside(gen["rewards"], lambda: logprob(c, rollouts, weights_version) if logprob_needed(ctx.cfg) else None)
     advs = advantages(c, rollouts, rewards, logprobs if needs_logprobs(ctx.cfg) else None)
     return {"prompts": gen["prompts"], "rollouts": rollouts, "rewards": rewards, "logprobs": logprobs,
             "advantages": advs}
+
+
+def beside(running: Any, work: Callable[[], T]) -> tuple[T, Any]:
+    """``work()`` while ``running`` (a submitted task's future, or an already computed value) runs;
+    then ``(work's result, running's result)``. The future has ended before this returns, also
+    when ``work`` raised; a failed future raises its own error, as the inline call would."""
+    try:
+        out = work()
+    finally:
+        if isinstance(running, PrefectFuture):
+            running.wait()
+    return out, running.result() if isinstance(running, PrefectFuture) else running
 
 
 def policy_lane(ctx: StepContext, gen: dict[str, Any], plan: Any, *, submit_checkpoint: bool = False) -> tuple[dict[str, Any], Any]:

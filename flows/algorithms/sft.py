@@ -20,7 +20,7 @@ from prefect.utilities.annotations import quote
 
 from flows.config import MasterConfig
 from flows.config.resolve import new_run_id, resolve_config
-from flows.run.session import RunIntent, run_session
+from flows.run.session import RunIntent, run_session, tag_this_flow_run
 from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.runner import TASK_DEFAULTS
@@ -87,9 +87,10 @@ def sft(
     from nrl_tasks.stages.checkpoint import save_checkpoint
 
     log = get_run_logger()
+    run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
+    tag_this_flow_run(run_id)  # before the config is read, like every flow of a run session
     overrides = list(overrides or []) + ([f"policy.optimizer.kwargs.lr={lr}"] if lr is not None else [])
     cfg = resolve_config(config, overrides, storage)
-    run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
     # no per-step persistence: an SFT started again under the same id (a resumed GRPO flow's warm
     # start) trains again from its first step, deterministically
     with run_session(cfg, run_id, algorithm="sft", intent=RunIntent(restartable=True), log=log) as session:

@@ -44,7 +44,7 @@ from flows.observe.summary import metrics_window, summary_markdown
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.trackers import TrackerSet
 from flows.observe.metrics import build_step_metrics, format_console_line, upsert_metrics
-from flows.algorithms.lanes import data_stages, generation_lane, policy_lane, sampled_stages
+from flows.algorithms.lanes import beside, data_stages, generation_lane, policy_lane, sampled_stages
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.refit import refit
@@ -88,12 +88,7 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     # score runs beside logprob, the checkpoint beside the refit (each pair reads the same inputs)
     datasets, ck = policy_lane(ctx, generation_lane(ctx, ctx.step - 1, overlap_score=True), plan, submit_checkpoint=True)
     trained = datasets["train"]
-    try:
-        refitted = refit(c, trained, trained.weights_version)
-    finally:  # the checkpoint ends before anything else happens, also when the refit failed
-        if ck is not None:
-            ck.wait()
-    ck = ck.result() if ck is not None else None
+    refitted, ck = beside(ck, lambda: refit(c, trained, trained.weights_version))  # the checkpoint is written meanwhile
     val = validate(c, refitted, trained.weights_version) if plan.validate else None
     from prefect.runtime import flow_run
 
@@ -104,12 +99,11 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
 def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None,
                      handle: SummaryHandle | None = None) -> None:
     """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
-    ``handle``: the flow run's summary, updated in place."""
-    from flows.run.state import read_status
+    ``handle``: the flow run's summary, updated in place, with the run's history."""
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     ck = run.cfg.checkpointing
-    history = (read_status(run.layout, run.storage_options) or {}).get("history") or []
+    history = handle.history if handle is not None else ()
     md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
                           metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=history)
     if handle is not None:

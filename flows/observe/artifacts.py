@@ -207,10 +207,12 @@ class SummaryHandle:
     ``nrl-<run>-summary`` created at the first publication, then updated in place (``PATCH
     /artifacts/{id}``; the key's latest version follows), so a flow run shows one summary in the
     Artifacts tab whatever its length; each later flow run of the run (a resume, an extension)
-    adds one version of the key."""
+    adds one version of the key. ``history``: the run's history as this flow run began it
+    (``status.json``, :mod:`flows.run.history`), shown in every version."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = ()) -> None:
         self.run_id = run_id
+        self.history = list(history)
         self.artifact_id: Any = None
 
     def publish(self, markdown: str) -> None:
@@ -232,18 +234,17 @@ class SummaryHandle:
         except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
             logger.warning("summary artifact not published: %s", exc)
 
-
     def _log_link(self, key: str) -> None:
         """One line in the flow run's log (its page opens on the logs) with the summary's page in
         the Prefect UI (V2's ``/artifacts/key/<key>``: always the latest), when a UI URL is known."""
         from prefect import get_run_logger
         from prefect.settings import get_current_settings
 
+        from flows.observe.eval_view import ui_page_url
+
         ui = get_current_settings().ui_url
         if ui:
-            base = ui.rstrip("/")
-            base = base if base.endswith("/v2") else base + "/v2"
-            get_run_logger().info("summary of run %s (updated every step): %s/artifacts/key/%s", self.run_id, base, key)
+            get_run_logger().info("summary of run %s (updated every step): %s", self.run_id, ui_page_url(ui, f"artifacts/key/{key}"))
 
 
 def publish_summary(run_id: str, markdown: str) -> None:

@@ -35,7 +35,7 @@ from nrl_tasks.run_layout import parse_step_dir
 
 __all__ = [
     "MAX_DATASETS", "MAX_RUNS", "TABLE_ROWS", "best_row", "eval_view_markdown", "flow_run_url", "is_prefix",
-    "target_label", "uri_link", "view_digest",
+    "target_label", "ui_page_url", "uri_link", "view_digest",
 ]
 
 #: checkpoints a table shows at most (the newest by step)
@@ -66,21 +66,28 @@ def target_label(target: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.") or "runs"
 
 
-def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:
-    """The Prefect UI page of a flow run, ``None`` without a UI URL or id.
+def ui_page_url(ui_url: str, path: str) -> str:
+    """The page ``path`` of Prefect's current UI at ``ui_url`` (``PREFECT_UI_URL``). Prefect 3.9
+    serves it (V2, the default) under ``/v2``; the same path without it opens the old one.
 
-    Prefect 3.9 serves its current UI (V2, the default) under ``/v2``; the same path without it
-    opens the old one.
+    >>> ui_page_url("http://127.0.0.1:4200/", "runs")
+    'http://127.0.0.1:4200/v2/runs'
+    >>> ui_page_url("http://127.0.0.1:4200/v2", "runs")
+    'http://127.0.0.1:4200/v2/runs'
+    """
+    base = ui_url.rstrip("/")
+    return f"{base if base.endswith('/v2') else base + '/v2'}/{path}"
+
+
+def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:
+    """The Prefect UI page of a flow run (:func:`ui_page_url`), ``None`` without a UI URL or id.
 
     >>> flow_run_url("http://127.0.0.1:4200/", "abc")
-    'http://127.0.0.1:4200/v2/runs/flow-run/abc'
-    >>> flow_run_url("http://127.0.0.1:4200/v2", "abc")
     'http://127.0.0.1:4200/v2/runs/flow-run/abc'
     """
     if not ui_url or not flow_run_id:
         return None
-    base = ui_url.rstrip("/")
-    return f"{base if base.endswith('/v2') else base + '/v2'}/runs/flow-run/{flow_run_id}"
+    return ui_page_url(ui_url, f"runs/flow-run/{flow_run_id}")
 
 
 def _code(text: Any) -> str:

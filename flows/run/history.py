@@ -82,5 +82,6 @@ def end_attempt(history: list[dict[str, Any]], outcome: str, error: str | None =
     if out:
         out[-1].update(outcome=outcome, ended_unix=round(time.time(), 3))
         if error:
-            out[-1]["error"] = error.strip().splitlines()[0][:200] if error.strip() else error[:200]
+            lines = error.strip().splitlines()
+            out[-1]["error"] = (lines[0] if lines else error)[:200]
     return out

@@ -100,9 +100,21 @@ def _flow_run_id() -> str | None:
 
 
 def tag_this_flow_run(run_id: str) -> None:
-    """Tag the flow run this runs in ``run:<run_id>`` (a flow calls it first, before its config is
-    read, so that every flow run of a run is found by its tag, refused ones too)."""
+    """Tag the flow run this runs in ``run:<run_id>``. Every flow that enters a run session (GRPO,
+    DPO, SFT) calls it first, before its config is read, so that every flow run of a run is found
+    by its tag, refused ones too; the session itself tags nothing."""
     add_flow_run_tags(_flow_run_id(), [run_tag(run_id)])
+
+
+@contextlib.contextmanager
+def _named_if_refused(flow_run_id: str | None, run_id: str) -> Iterator[None]:
+    """Rename the flow run ``<run_id>-refused`` when the block refuses the run (another writer, an
+    existing run id, a changed config): not to be mistaken for the run's own flow runs."""
+    try:
+        yield
+    except (ConfigError, LeaseHeldError):
+        rename_flow_run(flow_run_id, refused_name(run_id))
+        raise
 
 
 @dataclass
@@ -201,7 +213,7 @@ class RunSession:
         if reaped:
             log.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
         kind = attempt_kind(self.previous, self.flow_run_id, max_steps=max_steps)
-        plan, facts = self.start.plan, self.start.facts
+        plan, facts, reset = self.start.plan, self.start.facts, self.start.optimizer_reset
         # the previous flow's entry, left open: its process is gone (crashed) or it was taken over
         was = "crashed" if alive is False else "taken over" if self.intent.take_over else None
         self.history = begin_attempt(
@@ -215,11 +227,9 @@ class RunSession:
             prefect_server=ephemeral_prefect_servers(), history=self.history,
         )
         rename_flow_run(self.flow_run_id, flow_run_name(self.run_id, kind, self.history[-1]["attempt"]))
-        reset, facts = self.start.optimizer_reset, self.start.facts
         if reset is not None and facts is not None:  # --fresh-optimizer: kept in the run's record
             write_status(layout, opts, optimizer_reset={
                 "checkpoint_step": reset, "first_step": facts.last_trained + 1, "unix": time.time()})
-        add_flow_run_tags(self.flow_run_id, [run_tag(self.run_id)])
         try:
             with own_local_ray(self.run_id), retry_policy(self.cfg.storage.retry.policy()):
                 yield self
@@ -285,14 +295,10 @@ def run_session(
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
     fid = _flow_run_id()
-    tag_this_flow_run(run_id)  # refused starts too
-    try:
+    with _named_if_refused(fid, run_id):
         lease = hold_run_lease(layout, opts, fid, take_over=intent.take_over)  # refused at once while another writer lives
-    except (ConfigError, LeaseHeldError):
-        rename_flow_run(fid, refused_name(run_id))  # not to be mistaken for the run's own flow runs
-        raise
     try:
-        try:
+        with _named_if_refused(fid, run_id):
             if configure is not None:
                 cfg = configure(cfg)
             existed = fs.exists(layout.config_uri, storage_options=opts)
@@ -300,9 +306,6 @@ def run_session(
             chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
             start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute,
                                fresh_optimizer=intent.fresh_optimizer)
-        except ConfigError:
-            rename_flow_run(fid, refused_name(run_id))
-            raise
         yield RunSession(
             cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
             previous=read_status(layout, opts) or {}, start=start, log=log or logger, intent=intent,

@@ -112,7 +112,8 @@ def test_prefect_state_and_artifacts(e2e_run):
     tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in arts["metrics"]]
     assert sorted([r["step"] for r in t] for t in tables) == [[2, 1], [3, 2, 1]]
     assert arts["progress"] and "Best" in arts["rollouts"][0].data
-    assert any("step 3 of 3" in a.data and "reward per step, its moving average" in a.data for a in arts["summary"])
+    assert any("step 3 of 3" in a.data and "reward per step, its moving average" in a.data
+               and "**History** (1 flow run(s) of this run, UTC)" in a.data for a in arts["summary"])
 
 
 def test_refit_failure_leaves_workers_stale_then_retry_succeeds(e2e_run, monkeypatch):

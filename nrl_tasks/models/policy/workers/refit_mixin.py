@@ -152,7 +152,7 @@ class RefitMixin:
         LoRA "as sent" is the merged weights, the master weights are base + adapter tensors);
         ``algorithm``: today's by default (see :func:`nrl_tasks.utils.refit.checksum_algorithm`)."""
         self._require_valid_weights("weights_checksum")
-        from nrl_tasks.utils.refit import weights_checksum
+        from nrl_tasks.utils.refit import CHECKSUM_ALGORITHM, weights_checksum
 
         from nrl_tasks.models.policy.workers.parallel import full_tensor
 
@@ -162,7 +162,7 @@ class RefitMixin:
             items = self._refit_items()
         else:
             items = ((n, full_tensor(t)) for n, t in refit_named_tensors(self.model))
-        return weights_checksum(items) if algorithm is None else weights_checksum(items, algorithm)
+        return weights_checksum(items, algorithm or CHECKSUM_ALGORITHM)
 
     def close_refit_group(self) -> None:
         group, self._refit_group = self._refit_group, None
