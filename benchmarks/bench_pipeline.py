@@ -18,7 +18,11 @@ task machinery, save/load of batches, fsyncs, idempotency checks, actor probes, 
 checksum, the metrics line, actor work and the rest; plus the CPU seconds per step of the flow
 process and of its Prefect server subprocess (which competes for the same cores).
 
-    python -m benchmarks.bench_pipeline [--quick] [--steps N] [--config PATH] [key=value ...]
+``--groupings`` adds the step groupings (issue 29): a subflow a step, the default (a flow run's
+steps in at most 8 subflows) and no subflows, each as the whole loop's time per step (subflow
+starts and ends included, which per-step medians would hide) against the in-memory loop's.
+
+    python -m benchmarks.bench_pipeline [--quick] [--steps N] [--groupings] [--config PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -87,6 +91,60 @@ def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]],
         rt.shutdown()
     rows = read_metrics(res["metrics_uri"])
     return rows, checksum, res["step_wall_s"], spans.per_step()
+
+
+#: the step groupings compared by ``--groupings``: label -> config overrides (issue 29, item 3)
+GROUPINGS = {
+    "a subflow a step (logger.steps_per_subflow=1)": {"steps_per_subflow": 1},
+    "default: at most 8 subflows a flow run": {},
+    "no subflows (logger.step_subflows=false)": {"step_subflows": False},
+}
+
+
+def run_grouping(cfg: Any, steps: int, logger_update: dict[str, Any], tag: str) -> dict[str, Any]:
+    """One flow run with the logger settings ``logger_update``: the whole step loop's seconds per
+    step (``loop_s / steps``: what the run pays, subflow starts and ends included), the actor work
+    per step, the flow runs it created and the final weights' checksum."""
+    from flows.algorithms.grpo import grpo
+    from flows.observe.metrics import read_metrics
+    from flows.run.runtime import setup_runtime
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    run_id = f"bench-group{tag}-{os.getpid()}"
+    cfg = cfg.model_copy(update={"logger": cfg.logger.model_copy(update=logger_update)})
+    os.environ["NRL_KEEP_ACTORS"] = "1"
+    try:
+        res = grpo(config=cfg, run_id=run_id)
+    finally:
+        os.environ.pop("NRL_KEEP_ACTORS", None)
+    rt = setup_runtime(cfg, run_id)
+    try:
+        checksum = rt.policy.weights_checksum(as_sent=False)
+    finally:
+        rt.shutdown()
+    rows = read_metrics(res["metrics_uri"])
+    with get_client(sync_client=True) as client:
+        flow_runs = len(client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)), limit=200))
+    return {"loop_per_step": res["loop_s"] / steps, "work_per_step": sum(r.get("compute_s") or 0.0 for r in rows) / steps,
+            "flow_runs": flow_runs, "checksum": checksum}
+
+
+def print_groupings(cfg: Any, steps: int, mem_rows: list[dict[str, Any]], mem_sum: str) -> dict[str, Any]:
+    """The flow at each step grouping (:data:`GROUPINGS`) against the in-memory loop, means over all steps."""
+    mem = sum(r["step_s"] for r in mem_rows) / steps
+    results = {label: run_grouping(cfg, steps, upd, f"-g{i}") for i, (label, upd) in enumerate(GROUPINGS.items())}
+    print(f"\n### step grouping: what a step costs, means over all {steps} steps (total loop time / steps)\n")
+    print("| grouping | flow runs | s per step | orchestration ms per step (wall - work) | x in-memory loop |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in results.items():
+        print(f"| {label} | {r['flow_runs']} | {r['loop_per_step']:.4f} | {(r['loop_per_step'] - r['work_per_step']) * 1000:.1f} | "
+              f"{r['loop_per_step'] / mem:.2f}x |")
+    print(f"| in-memory loop | - | {mem:.4f} | - | 1.00x |")
+    same = all(r["checksum"] == mem_sum for r in results.values())
+    print(f"\nfinal weights identical (every grouping and the loop): {same}")
+    return {label: r["loop_per_step"] / mem for label, r in results.items()}
 
 
 _BASELINE_DRIVER = """
@@ -165,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--baseline-ref", default=None,
         help="also run the flow on the code of this git ref (e.g. the commit before a change) and compare",
     )
+    ap.add_argument("--groupings", action="store_true",
+                    help="also run the flow with a subflow a step, the default grouping and no subflows (means over all steps)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 8)
@@ -227,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     same = flow_sum == mem_sum == ns_sum
     print(f"\nfinal weights identical (flow fsync=true, flow fsync=false, loop): {same} ({flow_sum[:16]})")
+    grouping = print_groupings(cfg, steps, mem_rows, mem_sum) if args.groupings else None
     if base is not None:
         b_over = [w - c for w, c in list(zip(base["wall"], base["compute"]))[warm] if c is not None]
         b_in = statistics.median(b_over)
@@ -240,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"baseline final weights identical to this tree's: {base['checksum'] == flow_sum}")
     return {
         "overhead": overhead, "flow_step_s": flow_step, "mem_step_s": mem_step, "identical": same,
-        "flow_nofsync_step_s": ns_step,
+        "flow_nofsync_step_s": ns_step, "grouping": grouping,
     }
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, ProgressHandle, publish_metrics_table
+from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, metrics_table
 from flows.config import MasterConfig
 from flows.config.resolve import new_run_id, resolve_config
 from flows.observe.metrics import read_metrics, upsert_metrics
@@ -115,7 +115,7 @@ def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]
     total, period = cfg.dpo.max_num_steps, cfg.checkpointing.save_period
     restored = restore_dpo_run(run, session.start.facts, log)
     last = restored["last"]
-    publisher, progress = BackgroundPublisher(), ProgressHandle(run.run_id)
+    publisher, artifacts = BackgroundPublisher(), RunArtifacts(run.run_id, algorithm="DPO")  # updated in place
     have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
     try:
         for step in range(max(1, last), total + 1):
@@ -139,8 +139,8 @@ def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]
                     print(line, flush=True)
                 if cfg.logger.artifacts:
                     if due or step == total:  # bounded: the newest lines, at checkpoints and the end
-                        publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
-                    publisher.submit(progress.update, step, total)
+                        publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
+                    publisher.submit(artifacts.progress.update, step, total)
     finally:
         publisher.close()
     return {"first_step": last + 1, "restored": {k: v for k, v in restored.items() if k != "last"}}

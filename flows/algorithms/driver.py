@@ -5,10 +5,13 @@ Both modes run the same two lanes (:mod:`flows.algorithms.lanes`); what differs 
 schedule's phases are grouped into units of work:
 
 - **age 0** (``grpo.async_grpo.enabled: false``): every step's phases (``gen k @v(k-1)``,
-  ``train k``, ``refit vk``) form one unit, run as the step's Prefect subflow
-  (:func:`flows.algorithms.step.grpo_step`: the generation lane inline, the policy lane, refit,
-  validation when due). The subflow is what the UI shows per step and the unit a fault retries:
-  ``<run_id>-step-0007``, then ``<run_id>-step-0007-retry1``.
+  ``train k``, ``refit vk``) form one unit (:func:`flows.algorithms.step.grpo_step`'s body: the
+  generation lane inline, the policy lane, refit, validation when due), published when done.
+  Consecutive steps run grouped in one Prefect subflow (``segment_unit``,
+  :func:`flows.algorithms.step.grpo_steps`: ``<run_id>-steps-0001-0005``, steps on a fixed grid
+  of ``steps_per_segment``), or each step as its own subflow (``<run_id>-step-0007``), or inline.
+  The subflow is what the UI shows and what a fault retries: after a fault in step 3 of
+  ``…-steps-0001-0005`` the run goes on with ``…-steps-0003-0005-retry1``.
 - **age a > 0** (``grpo.async_grpo``): the phases run in the run's flow, the generation lane of
   later steps submitted as concurrent Prefect tasks (:class:`~flows.algorithms.lanes.GenerationLane`)
   while the policy lane runs in the flow's thread, and the refit of version ``k`` between
@@ -47,7 +50,7 @@ from prefect import get_run_logger
 from prefect.utilities.annotations import quote
 
 from flows.algorithms.lanes import GenerationLane, policy_lane
-from flows.algorithms.step import StepPlan, StepRefs, publish_step
+from flows.algorithms.step import StepPlan, StepRefs, StepSegment, publish_step
 from flows.run.recovery import RetryBudget, recover_after
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.evaluate import validate
@@ -58,6 +61,8 @@ __all__ = ["StepDriver"]
 
 #: ``step_unit(quoted step context, plan) -> StepRefs``: a synchronous step's whole unit of work
 StepUnit = Callable[[Any, StepPlan], StepRefs]
+#: ``segment_unit(segment, run_one)``: runs ``run_one(step)`` for the segment's steps (a subflow)
+SegmentUnit = Callable[[StepSegment, Callable[[int], None]], None]
 
 
 class StepDriver:
@@ -73,6 +78,8 @@ class StepDriver:
         fence: Callable[[], None] | None = None,
         publish: Callable[..., Any] = publish_step,
         after_step: Callable[[int], None] | None = None,
+        segment_unit: SegmentUnit | None = None,
+        steps_per_segment: int = 1,
     ) -> None:
         self.run = run
         self.schedule = StepSchedule.from_config(run.cfg)
@@ -82,16 +89,20 @@ class StepDriver:
         self.fence = fence
         self.publish = publish
         self.after_step = after_step
+        self.segment_unit = segment_unit
+        self.steps_per_segment = max(1, steps_per_segment)
+        self.log: Any = None  # the run flow run's logger (set when the steps run)
         self.finished: set[int] = set()  # published in this flow process
         self.started: dict[int, float] = {}  # step -> when its first attempt began
         self.walls: dict[int, float] = {}  # step -> wall seconds, from its first attempt (recoveries included)
-        self.attempts: dict[int, int] = {}  # step -> subflow runs (age 0: the retry suffix)
+        self.attempts: dict[int, int] = {}  # step -> its runs (age 0, a subflow a step: the retry suffix)
+        self.segment_attempts: dict[int, int] = {}  # grid cell -> its subflow runs (the retry suffix)
         self.current = 1  # the step being run (what a fault outside any stage is charged to)
 
     def run_from(self, trained: int) -> dict[int, float]:
         """Run steps ``trained`` (once more: its committed stages skip) to the last, recovering
         after each actor fault; the wall seconds of each step run."""
-        log = get_run_logger()
+        log = self.log = get_run_logger()
         if self.schedule.lookahead:
             log.info("async GRPO schedule (age %d):\n%s", self.schedule.lookahead, self.schedule.timeline())
         held = trained  # the generation workers hold the trained prefix
@@ -114,9 +125,9 @@ class StepDriver:
         trained: dict[int, Any] = {}
         for phase in self.schedule.phases():
             todo = [e for e in phase if e.kind == "train" and e.step >= start and e.step not in self.finished]
-            if not self.schedule.lookahead:  # age 0: the phases of a step are its subflow
+            if not self.schedule.lookahead:  # age 0: the phases of a step are one unit
                 for e in todo:
-                    self._sync_step(e.step)
+                    self._sync(e.step)
                 continue
             gens = [e for e in phase if e.kind == "generate" and e.step >= start]
             if gens:
@@ -145,8 +156,23 @@ class StepDriver:
                         val = validate(quote(ctx), result, ctx.step)
                         self._finish(ctx, StepRefs(ctx.step, datasets, refit=result, checkpoint=ck, val=val), plan, t0)
 
+    def _sync(self, step: int) -> None:
+        """Age 0: step ``step``, in its segment's subflow when steps are grouped (the segment runs
+        the following steps of its grid cell too), else as its own unit."""
+        if step in self.finished:  # run by the segment of an earlier step
+            return
+        if self.segment_unit is None:
+            self._sync_step(step)
+            return
+        self.started.setdefault(step, time.perf_counter())  # the subflow's start is the first step's time
+        k = self.steps_per_segment
+        index = (step - 1) // k
+        attempt = self.segment_attempts[index] = self.segment_attempts.get(index, 0) + 1
+        last = min((index + 1) * k, self.schedule.max_steps)
+        self.segment_unit(StepSegment(self.run.run_id, step, last, attempt), self._sync_step)
+
     def _sync_step(self, step: int) -> None:
-        """Age 0: step ``step`` as one unit (its subflow; ``-retryN`` when run again)."""
+        """Age 0: step ``step`` as one unit (its subflow when each step is one; ``-retryN`` when run again)."""
         ctx, plan, t0 = self._begin(step)
         attempt = self.attempts[step] = self.attempts.get(step, 0) + 1
         self._finish(ctx, self.step_unit(quote(ctx), replace(plan, attempt=attempt)), plan, t0)
@@ -164,7 +190,7 @@ class StepDriver:
         if self.fence is not None:  # a fenced writer writes no metrics line either
             self.fence()
         extra = {"trajectory_age": self.schedule.trajectory_age(refs.step)} if self.schedule.lookahead else None
-        self.publish(ctx, refs, plan, wall_seconds=wall, extra=extra)
+        self.publish(ctx, refs, plan, wall_seconds=wall, extra=extra, log=self.log)
         if self.after_step is not None:
             self.after_step(refs.step)
         self.finished.add(refs.step)

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, ProgressHandle, SummaryHandle
+from flows.observe.artifacts import BackgroundPublisher, RunArtifacts
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
@@ -123,7 +123,7 @@ def run_grpo_steps(
     resumed run runs once more (its stages are committed and skip; what it had not finished,
     checkpoint, refit, validation, metrics line, is done)."""
     from flows.algorithms.driver import StepDriver
-    from flows.algorithms.step import grpo_step, publish_step, without_subflow_heartbeats
+    from flows.algorithms.step import publish_step, without_subflow_heartbeats
     from flows.run.recovery import RetryBudget, recover, run_step
     from nrl_tasks.stages.evaluate import validate
 
@@ -138,7 +138,7 @@ def run_grpo_steps(
     retention = RetentionPolicy.from_config(cfg)  # never deletes what a resume reads
     budget = RetryBudget(cfg)
     pruned: set[int] = set()  # steps retention found without batches (inspected once per run)
-    progress, summary = ProgressHandle(run.run_id), SummaryHandle(run.run_id, history)
+    artifacts = RunArtifacts(run.run_id, history)  # one of each kind, updated in place
     publisher = BackgroundPublisher()
     lines = read_metrics(layout.metrics_uri, opts)
     have_lines = {int(r["step"]) for r in lines}
@@ -146,21 +146,22 @@ def run_grpo_steps(
     publisher.submit(trackers.sync, lines)  # what a crash kept from them
     publisher.submit(publish_tracker_links, trackers.links(), run.run_id)  # e.g. the MLflow run, as a link artifact
 
+    tagged: set[str] = set()  # subflows tagged run:<id> (a segment's steps share one)
+
     def publish(ctx: Any, refs: Any, plan: StepPlan, **kw: Any) -> Any:
-        if refs.flow_run_id:
+        if refs.flow_run_id and refs.flow_run_id not in tagged:
+            tagged.add(refs.flow_run_id)
             publisher.submit(tag_flow_run, refs.flow_run_id, run.run_id)
         if optimizer_reset is not None and refs.step == last + 1:  # the first step trained with a fresh optimizer
             kw["extra"] = {**(kw.get("extra") or {}), "optimizer_reset": True}
-        return publish_step(ctx, refs, plan, publisher=publisher, progress=progress, summary=summary, trackers=trackers, **kw)
+        return publish_step(ctx, refs, plan, publisher=publisher, artifacts=artifacts, trackers=trackers, **kw)
 
     # async GRPO: a resume may need the checkpoint at or before version step - age (the steps
     # generated ahead on older weights): retention keeps what that resume reads
     age = cfg.grpo.async_grpo.max_trajectory_age_steps if cfg.grpo.async_grpo.enabled else 0
     driver = StepDriver(
         run, lambda s: step_plan(cfg, s, chash=chash, write_line=s not in have_lines),
-        # a subflow per step (logger.step_subflows), or the same body inline in the run's flow run
-        step_unit=grpo_step if cfg.logger.step_subflows else _inline(grpo_step.fn),
-        budget=budget, fence=fence, publish=publish,
+        budget=budget, fence=fence, publish=publish, **_step_units(cfg),
         after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned),
     )
     try:
@@ -174,6 +175,20 @@ def run_grpo_steps(
         trackers.close()
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
             "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0}
+
+
+def _step_units(cfg: Any) -> dict[str, Any]:
+    """How the driver runs synchronous steps (``logger.step_subflows``, ``logger.steps_per_subflow``):
+    grouped in subflows (the default: at most :data:`~flows.algorithms.step.SUBFLOWS_PER_FLOW_RUN`
+    a flow run), one subflow a step, or inline in the run's flow run."""
+    from flows.algorithms.step import grpo_step, grpo_steps, steps_per_subflow
+
+    if not cfg.logger.step_subflows:
+        return {"step_unit": _inline(grpo_step.fn)}
+    k = steps_per_subflow(cfg.logger.steps_per_subflow, cfg.grpo.max_num_steps)
+    if k == 1:
+        return {"step_unit": grpo_step}
+    return {"step_unit": _inline(grpo_step.fn), "segment_unit": grpo_steps, "steps_per_segment": k}
 
 
 def _inline(fn: Any) -> Any:

@@ -19,17 +19,22 @@ each defined once in :mod:`flows.algorithms.lanes` (async GRPO and recovery run 
 
 Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.DatasetRef` objects
 the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
-draws it. The step runs as a subflow named ``<run_id>-step-0007`` under the run's flow run (a
-retried step: ``<run_id>-step-0007-retry1``) tagged ``run:<run_id>``; its task runs are named
-after the stage, run and step (``train-<run_id>-step7``). Step subflows run without a Prefect
-heartbeat thread of their own (:func:`without_subflow_heartbeats`). Every stage is idempotent (:mod:`nrl_tasks.stages.runner`): running a step again
+draws it. Steps run grouped in subflows of the run's flow run (``logger.steps_per_subflow``,
+:func:`steps_per_subflow`): by default a flow run's steps in at most :data:`SUBFLOWS_PER_FLOW_RUN`
+subflows ``<run_id>-steps-0001-0005`` (:func:`grpo_steps`: the step bodies one after another), so
+the UI's runs list shows runs, not steps, at any run length; with one step a subflow, each step
+is its own subflow ``<run_id>-step-0007`` (:func:`grpo_step`). A subflow run again after a fault
+gets ``-retry1``; every one is tagged ``run:<run_id>``; task runs are named after the stage, run
+and step (``train-<run_id>-step7``). Subflows run without a Prefect heartbeat thread of their own
+(:func:`without_subflow_heartbeats`). Every stage is idempotent (:mod:`nrl_tasks.stages.runner`): running a step again
 recomputes only what is not committed. The flow then writes the step's ``metrics.jsonl`` line,
 console line and artifacts (:func:`publish_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +42,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import (
-    BackgroundPublisher, ProgressHandle, SummaryHandle, publish_metrics_table, publish_rollouts, publish_summary, rollouts_markdown,
-)
+from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, SummaryHandle, metrics_table, publish_summary, rollouts_markdown
 from flows.observe.summary import metrics_window, summary_markdown
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.trackers import TrackerSet
@@ -51,8 +54,12 @@ from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.refs import StepRefs
 
 __all__ = [
-    "StepPlan", "data_stages", "grpo_step", "publish_step", "sampled_stages", "tag_flow_run", "without_subflow_heartbeats",
+    "SUBFLOWS_PER_FLOW_RUN", "StepPlan", "StepSegment", "data_stages", "grpo_step", "grpo_steps", "publish_step", "sampled_stages",
+    "steps_per_subflow", "tag_flow_run", "without_subflow_heartbeats",
 ]
+
+#: ``logger.steps_per_subflow`` unset: a flow run's steps in at most this many subflows
+SUBFLOWS_PER_FLOW_RUN = 8
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,57 @@ def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     val = validate(c, refitted, trained.weights_version) if plan.validate else None
     from prefect.runtime import flow_run
 
-    fid = str(flow_run.id) if flow_run.id and flow_run.name.startswith(f"{ctx.run_id}-step-") else None
+    fid = str(flow_run.id) if flow_run.id and flow_run.name.startswith(f"{ctx.run_id}-step") else None  # step or steps subflow
     return StepRefs(step=ctx.step, datasets=datasets, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
+
+
+def steps_per_subflow(configured: int | None, max_steps: int) -> int:
+    """Steps a subflow runs: ``logger.steps_per_subflow``, or by default enough that a flow run of
+    ``max_steps`` steps has at most :data:`SUBFLOWS_PER_FLOW_RUN` subflows.
+
+    >>> steps_per_subflow(None, 3), steps_per_subflow(None, 40), steps_per_subflow(None, 1000), steps_per_subflow(1, 1000)
+    (1, 5, 125, 1)
+    """
+    return configured or max(1, math.ceil(max_steps / SUBFLOWS_PER_FLOW_RUN))
+
+
+@dataclass(frozen=True)
+class StepSegment:
+    """Steps ``first``..``last`` of a run, run in one subflow (``attempt`` > 1: again, after a fault)."""
+
+    run_id: str
+    first: int
+    last: int
+    attempt: int = 1
+
+    @property
+    def steps(self) -> range:
+        return range(self.first, self.last + 1)
+
+    @property
+    def name(self) -> str:
+        """``<run_id>-steps-0001-0005``, ``-retry1`` when run again.
+
+        >>> StepSegment("r", 6, 10, attempt=2).name
+        'r-steps-0006-0010-retry1'
+        """
+        name = f"{self.run_id}-steps-{self.first:04d}-{self.last:04d}"
+        return name if self.attempt <= 1 else f"{name}-retry{self.attempt - 1}"
+
+
+def _segment_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    segment = (flow_run.parameters or {}).get("segment")
+    return segment.name if isinstance(segment, StepSegment) else "grpo-steps"
+
+
+@flow(name="grpo-steps", flow_run_name=_segment_run_name, validate_parameters=False, persist_result=False, result_serializer="json")
+def grpo_steps(segment: StepSegment, run_one: Callable[[int], None]) -> None:
+    """Steps ``segment.first``..``segment.last``, one after another: ``run_one(step)`` runs a
+    step's body (:func:`grpo_step`'s, in this flow run) and publishes it."""
+    for step in segment.steps:
+        run_one(step)
 
 
 def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None,
@@ -145,14 +201,16 @@ def publish_step(
     *,
     wall_seconds: float | None,
     publisher: BackgroundPublisher | None = None,
-    progress: ProgressHandle | None = None,
-    summary: SummaryHandle | None = None,
+    artifacts: RunArtifacts | None = None,
     extra: dict[str, Any] | None = None,
     trackers: TrackerSet | None = None,
+    log: Any = None,
 ) -> dict[str, Any] | None:
     """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
     added to it), console line, artifacts and tracker curves (:mod:`flows.observe.trackers`), the last two
-    published in the background by ``publisher``."""
+    published in the background by ``publisher`` (``artifacts``: the flow run's, updated in place;
+    without them, a new version of the summary's key each step). ``log``: the logger of the run's flow run (its
+    log gets the step line also when the step ran in a subflow; default: the current run's)."""
     import storage
 
     run, cfg = ctx.run, ctx.cfg
@@ -173,9 +231,10 @@ def publish_step(
         if trackers is not None and publisher is not None:
             publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None:
+            summary = artifacts.summary if artifacts is not None else None
             publisher.submit(_publish_summary, run, rows, plan.max_steps, trackers.links() if trackers is not None else None, summary)
-            if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
-                publisher.submit(publish_metrics_table, run.run_id, metrics_window(rows))
+            if artifacts is not None and (plan.checkpoint or ctx.step == plan.max_steps):  # bounded: not every step
+                publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
                 n = cfg.logger.num_rollouts_to_show
                 if n > 0:
                     convo = cfg.env.environment is not None  # multi-turn: show whole episodes too
@@ -183,11 +242,11 @@ def publish_step(
                     r = storage.load_batch(ctx.uri("rollouts"), columns=cols, **ctx.storage_kw)
                     md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n,
                                            conversations=r["message_log"] if convo else None)
-                    publisher.submit(publish_rollouts, run.run_id, md)
+                    publisher.submit(artifacts.rollouts.publish, md)
         line = format_console_line(run.run_id, row, plan.max_steps)
-        get_run_logger().info(line)
+        (log or get_run_logger()).info(line)
         if cfg.logger.console:
             print(line, flush=True)
-    if cfg.logger.artifacts and publisher is not None and progress is not None:
-        publisher.submit(progress.update, ctx.step, plan.max_steps)
+    if cfg.logger.artifacts and publisher is not None and artifacts is not None:
+        publisher.submit(artifacts.progress.update, ctx.step, plan.max_steps)
     return row

@@ -1,14 +1,15 @@
 """Prefect artifacts of a run: metrics table, progress, best/worst rollouts; the eval view of a sweep.
 
-Artifact keys are derived from the run id (lowercase letters, digits and dashes only), so each
-publication is a new version of the same keyed artifact in the UI. What a run publishes is bounded
-per step (the Prefect database grows by a constant amount a step, not by one that grows with the
-run): the small summary every step, updated in place (one artifact per flow run: :class:`SummaryHandle`);
-the metrics table (the newest :data:`~flows.observe.summary.TABLE_WINDOW`
-lines, newest first) and the best/worst rollouts at checkpoint steps and the last step; progress
-updated in place. ``metrics.jsonl`` keeps every line. The eval view of a sweep target
-(:mod:`flows.observe.eval_view`) gets a new version only when its content changed (:func:`publish_eval_view`).
-Artifacts are best effort: a failure to publish is logged, never fatal to training.
+Artifact keys are derived from the run id (lowercase letters, digits and dashes only). A flow run
+of a run keeps one artifact of each kind (:class:`RunArtifacts`): created at its first publication,
+then updated in place (:class:`KeyedArtifact`), so the Artifacts tab shows a handful of cards
+whatever the run's length and each later flow run of the run (a resume, an extension) adds one
+version of each key: the summary every step, progress every step, the metrics table (the newest
+:data:`~flows.observe.summary.TABLE_WINDOW` lines, newest first) and the best/worst rollouts at
+checkpoint steps and the last step. ``metrics.jsonl`` keeps every line. The eval view of a sweep
+target (:mod:`flows.observe.eval_view`) gets a new version only when its content changed
+(:func:`publish_eval_view`). Artifacts are best effort: a failure to publish is logged, never
+fatal to training.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "BackgroundPublisher",
+    "KeyedArtifact",
     "ProgressHandle",
+    "RunArtifacts",
     "SummaryHandle",
     "artifact_key",
     "publish_eval_table",
@@ -41,17 +44,19 @@ logger = logging.getLogger(__name__)
 class BackgroundPublisher:
     """Runs cosmetic API calls (artifacts, flow-run renames) off the training loop's critical path.
 
-    One worker thread, calls in submission order, each in a copy of the caller's context (so
-    Prefect links the artifact to the current flow run). :meth:`flush` waits for the backlog
-    (called at the end of the flow). Failures are logged, never raised.
+    One worker thread, calls in submission order, each in a copy of the context the publisher was
+    made in (the run's flow run: Prefect links the artifacts to it, also when a step publishes from
+    a subflow). :meth:`flush` waits for the backlog (called at the end of the flow). Failures are
+    logged, never raised.
     """
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nrl-artifacts")
         self._pending: list[concurrent.futures.Future[Any]] = []
+        self._context = contextvars.copy_context()
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        ctx = contextvars.copy_context()
+        ctx = self._context.copy()
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._pool.submit(ctx.run, self._safe, fn, *args, **kwargs))
 
@@ -92,15 +97,21 @@ def _round(v: Any) -> Any:
     return round(v, 5) if isinstance(v, float) else v
 
 
+def metrics_table(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a metrics table artifact (floats rounded to 5 digits)."""
+    return [{k: _round(v) for k, v in r.items()} for r in rows]
+
+
 def publish_metrics_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
     """Table artifact with one row per line of ``rows`` (the flows pass the newest lines, newest
-    first: :func:`flows.observe.summary.metrics_window`)."""
+    first: :func:`flows.observe.summary.metrics_window`), as a new version of its key (a flow
+    publishing repeatedly keeps a :class:`RunArtifacts` instead)."""
     if not _in_run_context():
         return
     from prefect.artifacts import create_table_artifact
 
     try:
-        table = [{k: _round(v) for k, v in r.items()} for r in rows]
+        table = metrics_table(rows)
         create_table_artifact(table=table, key=artifact_key(run_id, "metrics"), description=f"GRPO metrics of run {run_id}")
     except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
         logger.warning("metrics artifact not published: %s", exc)
@@ -202,39 +213,57 @@ def publish_rollouts(run_id: str, markdown: str) -> None:
         logger.warning("rollouts artifact not published: %s", exc)
 
 
-class SummaryHandle:
-    """The run summary of one flow run (:mod:`flows.observe.summary`): the keyed markdown artifact
-    ``nrl-<run>-summary`` created at the first publication, then updated in place (``PATCH
-    /artifacts/{id}``; the key's latest version follows), so a flow run shows one summary in the
-    Artifacts tab whatever its length; each later flow run of the run (a resume, an extension)
-    adds one version of the key. ``history``: the run's history as this flow run began it
-    (``status.json``, :mod:`flows.run.history`), shown in every version."""
+class KeyedArtifact:
+    """One keyed artifact ``nrl-<run>-<kind>`` of a flow run: created at the first publication,
+    then updated in place (``PATCH /artifacts/{id}``; the key's latest version follows), so the
+    flow run has one card of it in the Artifacts tab however often it publishes. ``table``: a
+    table artifact (rows of dicts), else markdown."""
 
-    def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = ()) -> None:
-        self.run_id = run_id
-        self.history = list(history)
+    def __init__(self, run_id: str, kind: str, description: str, *, table: bool = False) -> None:
+        self.run_id, self.kind, self.description, self.table = run_id, kind, description, table
         self.artifact_id: Any = None
 
-    def publish(self, markdown: str) -> None:
+    @property
+    def key(self) -> str:
+        return artifact_key(self.run_id, self.kind)
+
+    def publish(self, data: Any) -> None:
+        """Publish ``data`` (markdown, or the table's rows); logs a failure, never raises."""
         if not _in_run_context():
             return
-        from prefect.artifacts import create_markdown_artifact
+        from prefect.artifacts import TableArtifact, create_markdown_artifact, create_table_artifact
 
         try:
             if self.artifact_id is None:
-                key = artifact_key(self.run_id, "summary")
-                self.artifact_id = create_markdown_artifact(markdown=markdown, key=key, description=f"summary of run {self.run_id}")
-                self._log_link(key)
+                if self.table:
+                    self.artifact_id = create_table_artifact(table=data, key=self.key, description=self.description)
+                else:
+                    self.artifact_id = create_markdown_artifact(markdown=data, key=self.key, description=self.description)
+                self.created()
                 return
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.actions import ArtifactUpdate
 
+            body = TableArtifact(table=data).format() if self.table else data
             with get_client(sync_client=True) as client:
-                client.update_artifact(self.artifact_id, ArtifactUpdate(data=markdown))
+                client.update_artifact(self.artifact_id, ArtifactUpdate(data=body))
         except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
-            logger.warning("summary artifact not published: %s", exc)
+            logger.warning("%s artifact not published: %s", self.kind, exc)
 
-    def _log_link(self, key: str) -> None:
+    def created(self) -> None:
+        """Called once, after the artifact was created."""
+
+
+class SummaryHandle(KeyedArtifact):
+    """The run summary of one flow run (:mod:`flows.observe.summary`), ``nrl-<run>-summary``, a
+    :class:`KeyedArtifact`. ``history``: the run's history as this flow run began it
+    (``status.json``, :mod:`flows.run.history`), shown in every version."""
+
+    def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(run_id, "summary", f"summary of run {run_id}")
+        self.history = list(history)
+
+    def created(self) -> None:
         """One line in the flow run's log (its page opens on the logs) with the summary's page in
         the Prefect UI (V2's ``/artifacts/key/<key>``: always the latest), when a UI URL is known."""
         from prefect import get_run_logger
@@ -244,7 +273,18 @@ class SummaryHandle:
 
         ui = get_current_settings().ui_url
         if ui:
-            get_run_logger().info("summary of run %s (updated every step): %s", self.run_id, ui_page_url(ui, f"artifacts/key/{key}"))
+            get_run_logger().info("summary of run %s (updated every step): %s", self.run_id, ui_page_url(ui, f"artifacts/key/{self.key}"))
+
+
+class RunArtifacts:
+    """What a flow run of a run publishes, one artifact of each kind, updated in place: progress,
+    the summary, the metrics table and the best/worst rollouts."""
+
+    def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = (), *, algorithm: str = "GRPO") -> None:
+        self.progress = ProgressHandle(run_id)
+        self.summary = SummaryHandle(run_id, history)
+        self.metrics = KeyedArtifact(run_id, "metrics", f"{algorithm} metrics of run {run_id}", table=True)
+        self.rollouts = KeyedArtifact(run_id, "rollouts", "best/worst rollouts")
 
 
 def publish_summary(run_id: str, markdown: str) -> None:

@@ -49,6 +49,14 @@ class LoggerConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     step_subflows: bool = Field(
         True,
-        description="group each step as a Prefect subflow run <run_id>-step-0007 (off: the step's tasks run "
-        "directly in the run's flow run, named <stage>-<run_id>-step7 as always; a subflow costs ~0.1-0.2 s per step, bench_pipeline)",
+        description="run the steps in Prefect subflow runs of the run's flow run, grouped by steps_per_subflow "
+        "(off: the steps' tasks run directly in the run's flow run, named <stage>-<run_id>-step7 as always; "
+        "a subflow costs 0.2-2 s on a SQLite server, bench_pipeline)",
+    )
+    steps_per_subflow: int | None = Field(
+        None,
+        ge=1,
+        description="steps in one subflow run <run_id>-steps-0001-0005 (1: a subflow a step, <run_id>-step-0007); "
+        "default: a flow run's steps in at most 8 subflows (max_num_steps/8 rounded up), so the UI's runs list "
+        "shows runs, not steps",
     )
