@@ -19,7 +19,7 @@ checksum, the metrics line, actor work and the rest; plus the CPU seconds per st
 process and of its Prefect server subprocess (which competes for the same cores).
 
 ``--groupings`` adds the step groupings (issue 29): a subflow a step, the default (a flow run's
-steps in at most 8 subflows) and no subflows, each as the whole loop's time per step (subflow
+steps in at most 4 subflows) and no subflows, each as the whole loop's time per step (subflow
 starts and ends included, which per-step medians would hide) against the in-memory loop's.
 
     python -m benchmarks.bench_pipeline [--quick] [--steps N] [--groupings] [--config PATH] [key=value ...]
@@ -96,7 +96,7 @@ def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]],
 #: the step groupings compared by ``--groupings``: label -> config overrides (issue 29, item 3)
 GROUPINGS = {
     "a subflow a step (logger.steps_per_subflow=1)": {"steps_per_subflow": 1},
-    "default: at most 8 subflows a flow run": {},
+    "default: at most 4 subflows a flow run": {},
     "no subflows (logger.step_subflows=false)": {"step_subflows": False},
 }
 

@@ -14,9 +14,12 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
    may not draw in a headless browser), and the MLflow run's reward curve when an MLflow server was
    given (``mlflow.png``, from the Prefect link artifact to the run);
 5. a multi-turn run (the tiny model on the built-in guess-a-number game, 4 turns, chat template):
-   its rollouts artifact with whole episodes, the best and the worst (``rollouts-multi-turn.png``).
+   its rollouts artifact with whole episodes, the best and the worst (``rollouts-multi-turn.png``);
+6. a long run (``--long-steps``, default 200) of the ``grpo-train`` deployment on a process worker,
+   SIGKILLed twice and retried as the UI's Retry does: the runs list at the UI's default settings,
+   the run's page, its Artifacts tab and its summary with the history (:func:`long_run_tour`).
 
-    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000] [--parts run multi-turn]
+    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000] [--parts run multi-turn long] [--long-steps 200]
 """
 
 from __future__ import annotations
@@ -221,14 +224,81 @@ def multi_turn_tour(procs: Processes, env: dict[str, str], api: str, ui: str, ou
     shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "rollouts-multi-turn.png"), height=1600)
 
 
+def _count_in(path: str, text: str) -> int:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().count(text)
+    except FileNotFoundError:
+        return 0
+
+
+def _flow_run(api: str, flow_run_id: str) -> dict[str, Any]:
+    return _api(api, f"/flow_runs/{flow_run_id}")
+
+
+def long_run_tour(procs: Processes, env: dict[str, str], api: str, ui: str, out: str, tmp: str, steps: int) -> None:
+    """Part 6: a long run of the ``grpo-train`` deployment (the tiny config, ``steps`` steps, the
+    default step grouping) on a process worker whose flow process is SIGKILLed twice (the fault
+    plug-in of the tests, ``NRL_FAULT_KILL_AT``: after ``train`` commits at 35% and 70% of the
+    steps), each time retried as the UI's Retry does (``prefect flow-run retry``); then the runs
+    list at the UI's default settings (``runs-list-long.png``), the run's page (``flow-run-long.png``),
+    its Artifacts tab (``artifacts-long.png``) and its summary with the history (``summary-long.png``)."""
+    from flows.observe.artifacts import artifact_key
+
+    prefect = os.path.join(BIN, "prefect")
+    root, run_id = os.path.join(tmp, "runs-long"), "long"
+    kills = [max(2, steps * 35 // 100), max(3, steps * 70 // 100)]
+    subprocess.run([prefect, "work-pool", "create", "local", "--type", "process"], env=env, cwd=REPO, check=True,
+                   capture_output=True, timeout=120)
+    subprocess.run([prefect, "--no-prompt", "deploy", "-n", "grpo-train"], env={**env, "NRL_REPO_DIR": REPO}, cwd=REPO,
+                   check=True, capture_output=True, timeout=300)
+    worker_log = os.path.join(tmp, "worker.log")
+    fault_env = {**env, "NRL_REPO_DIR": REPO, "PYTHONPATH": REPO, "NRL_PLUGINS": "tests.faults.injection",
+                 "NRL_FAULT_KILL_AT": ",".join(f"train@{k}:after" for k in kills)}
+    procs.start([prefect, "worker", "start", "--pool", "local", "--name", "tour-worker"], fault_env, worker_log)
+    dep = _api(api, "/deployments/name/grpo/grpo-train")
+    params = {"config": "configs/grpo_tiny.yaml", "run_id": run_id, "storage": root,
+              "overrides": [f"grpo.max_num_steps={steps}", "checkpointing.save_period=10", "logger.console=false"]}
+    fid = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": params})["id"]
+    crash_line = "prefect.flow_runs.worker - Check whether the flow run exceeded its memory"  # the worker's own report
+    for n, k in enumerate(kills, start=1):
+        deadline = time.monotonic() + 1800
+        while (fr := _flow_run(api, fid))["state_type"] != "CRASHED" or fr["run_count"] < n:  # attempt n crashed
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the long run did not crash at step {k}; see {worker_log}")
+            time.sleep(3)
+        deadline = time.monotonic() + 60  # Prefect 3.9 reports a crash twice (runner, worker); retry after the worker's
+        while _count_in(worker_log, crash_line) < n and time.monotonic() < deadline:
+            time.sleep(0.5)
+        print(f"[tour] long run crashed at step {k} (SIGKILL); retrying it as the UI's Retry does", flush=True)
+        subprocess.run([prefect, "flow-run", "retry", fid], env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+    deadline = time.monotonic() + 3600
+    while (state := _flow_run(api, fid)["state_type"]) != "COMPLETED":
+        if state in ("FAILED", "CRASHED") or time.monotonic() > deadline:
+            raise RuntimeError(f"the long run ended {state}; see {worker_log}")
+        time.sleep(3)
+    runs = _api(api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"run:{run_id}"]}}, "limit": 200})
+    subs = _api(api, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [fid]}}, "limit": 200})
+    arts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fid]}}, "limit": 200})
+    print(f"[tour] long run: {steps} steps, flow run {_flow_run(api, fid)['name']} (3 attempts), "
+          f"{len({r['id'] for r in runs + subs})} flow runs, {len([a for a in arts if a.get('key')])} keyed artifact versions", flush=True)
+    shoot(f"{ui}/runs", os.path.join(out, "runs-list-long.png"), height=1400)
+    shoot(f"{ui}/runs/flow-run/{fid}", os.path.join(out, "flow-run-long.png"), height=1400)
+    shoot(f"{ui}/runs/flow-run/{fid}?tab=Artifacts", os.path.join(out, "artifacts-long.png"), height=1400)
+    aid = _artifact_id(api, artifact_key(run_id, "summary"))
+    if aid:
+        shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-long.png"), height=1600)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ui_tour", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="ui-screens")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--mlflow-uri", default=None, help="an MLflow server the run logs to (its UI is captured)")
-    ap.add_argument("--parts", nargs="*", choices=["run", "multi-turn"], default=["run", "multi-turn"],
-                    help="run: the GRPO run, its eval sweep and trackers (1-4); multi-turn: 5")
+    ap.add_argument("--parts", nargs="*", choices=["run", "multi-turn", "long"], default=["run", "multi-turn", "long"],
+                    help="run: the GRPO run, its eval sweep and trackers (1-4); multi-turn: 5; long: 6")
+    ap.add_argument("--long-steps", type=int, default=200)
     ap.add_argument("--multi-turn-steps", type=int, default=3)
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)
@@ -244,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENIZERS_PARALLELISM": "false", "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
     }
     procs = Processes()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped tour stops what it started (finally below)
     try:
         server = procs.start([os.path.join(BIN, "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              env, os.path.join(tmp, "server.log"))
@@ -253,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             run_tour(args, procs, env, api, pages, out, tmp)
         if "multi-turn" in args.parts:
             multi_turn_tour(procs, env, api, pages, out, tmp, args.multi_turn_steps)
+        if "long" in args.parts:
+            long_run_tour(procs, env, api, pages, out, tmp, args.long_steps)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()

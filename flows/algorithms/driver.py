@@ -8,10 +8,10 @@ schedule's phases are grouped into units of work:
   ``train k``, ``refit vk``) form one unit (:func:`flows.algorithms.step.grpo_step`'s body: the
   generation lane inline, the policy lane, refit, validation when due), published when done.
   Consecutive steps run grouped in one Prefect subflow (``segment_unit``,
-  :func:`flows.algorithms.step.grpo_steps`: ``<run_id>-steps-0001-0005``, steps on a fixed grid
+  :func:`flows.algorithms.step.grpo_steps`: ``<run_id>-steps-0001-0010``, steps on a fixed grid
   of ``steps_per_segment``), or each step as its own subflow (``<run_id>-step-0007``), or inline.
   The subflow is what the UI shows and what a fault retries: after a fault in step 3 of
-  ``…-steps-0001-0005`` the run goes on with ``…-steps-0003-0005-retry1``.
+  ``…-steps-0001-0010`` the run goes on with ``…-steps-0003-0010-retry1``.
 - **age a > 0** (``grpo.async_grpo``): the phases run in the run's flow, the generation lane of
   later steps submitted as concurrent Prefect tasks (:class:`~flows.algorithms.lanes.GenerationLane`)
   while the policy lane runs in the flow's thread, and the refit of version ``k`` between

@@ -21,7 +21,7 @@ Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.Da
 the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
 draws it. Steps run grouped in subflows of the run's flow run (``logger.steps_per_subflow``,
 :func:`steps_per_subflow`): by default a flow run's steps in at most :data:`SUBFLOWS_PER_FLOW_RUN`
-subflows ``<run_id>-steps-0001-0005`` (:func:`grpo_steps`: the step bodies one after another), so
+subflows ``<run_id>-steps-0001-0010`` (:func:`grpo_steps`: the step bodies one after another), so
 the UI's runs list shows runs, not steps, at any run length; with one step a subflow, each step
 is its own subflow ``<run_id>-step-0007`` (:func:`grpo_step`). A subflow run again after a fault
 gets ``-retry1``; every one is tagged ``run:<run_id>``; task runs are named after the stage, run
@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: ``logger.steps_per_subflow`` unset: a flow run's steps in at most this many subflows
-SUBFLOWS_PER_FLOW_RUN = 8
+SUBFLOWS_PER_FLOW_RUN = 4
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _step_run_name() -> str:
     return name if int(attempt) <= 1 else f"{name}-retry{int(attempt) - 1}"
 
 
-@flow(name="grpo-step", flow_run_name=_step_run_name, validate_parameters=False, persist_result=False)
+@flow(name="grpo-step", flow_run_name=_step_run_name, validate_parameters=False, persist_result=False, result_serializer="json")
 def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
     """Step ``ctx.step`` of the run (see the module docstring)."""
     c = quote(ctx)
@@ -108,7 +108,7 @@ def steps_per_subflow(configured: int | None, max_steps: int) -> int:
     ``max_steps`` steps has at most :data:`SUBFLOWS_PER_FLOW_RUN` subflows.
 
     >>> steps_per_subflow(None, 3), steps_per_subflow(None, 40), steps_per_subflow(None, 1000), steps_per_subflow(1, 1000)
-    (1, 5, 125, 1)
+    (1, 10, 250, 1)
     """
     return configured or max(1, math.ceil(max_steps / SUBFLOWS_PER_FLOW_RUN))
 
@@ -128,7 +128,7 @@ class StepSegment:
 
     @property
     def name(self) -> str:
-        """``<run_id>-steps-0001-0005``, ``-retry1`` when run again.
+        """``<run_id>-steps-0001-0010``, ``-retry1`` when run again.
 
         >>> StepSegment("r", 6, 10, attempt=2).name
         'r-steps-0006-0010-retry1'

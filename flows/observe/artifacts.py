@@ -117,30 +117,6 @@ def publish_metrics_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> Non
         logger.warning("metrics artifact not published: %s", exc)
 
 
-class ProgressHandle:
-    """A progress artifact created once and updated per step."""
-
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
-        self.artifact_id: Any = None
-
-    def update(self, done: int, total: int) -> None:
-        if not _in_run_context():
-            return
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-        pct = 100.0 * done / max(total, 1)
-        try:
-            if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(
-                    progress=pct, key=artifact_key(self.run_id, "progress"), description=f"steps done of run {self.run_id}"
-                )
-            else:
-                update_progress_artifact(artifact_id=self.artifact_id, progress=pct)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("progress artifact not published: %s", exc)
-
-
 def publish_progress(handle: ProgressHandle, done: int, total: int) -> None:
     handle.update(done, total)
 
@@ -216,11 +192,12 @@ def publish_rollouts(run_id: str, markdown: str) -> None:
 class KeyedArtifact:
     """One keyed artifact ``nrl-<run>-<kind>`` of a flow run: created at the first publication,
     then updated in place (``PATCH /artifacts/{id}``; the key's latest version follows), so the
-    flow run has one card of it in the Artifacts tab however often it publishes. ``table``: a
-    table artifact (rows of dicts), else markdown."""
+    flow run has one card of it in the Artifacts tab however often it publishes, also over its
+    retries (the same flow run run again takes over the artifact its earlier attempt made).
+    ``form``: ``markdown``, ``table`` (rows of dicts) or ``progress`` (a percentage)."""
 
-    def __init__(self, run_id: str, kind: str, description: str, *, table: bool = False) -> None:
-        self.run_id, self.kind, self.description, self.table = run_id, kind, description, table
+    def __init__(self, run_id: str, kind: str, description: str, *, form: str = "markdown") -> None:
+        self.run_id, self.kind, self.description, self.form = run_id, kind, description, form
         self.artifact_id: Any = None
 
     @property
@@ -228,30 +205,59 @@ class KeyedArtifact:
         return artifact_key(self.run_id, self.kind)
 
     def publish(self, data: Any) -> None:
-        """Publish ``data`` (markdown, or the table's rows); logs a failure, never raises."""
+        """Publish ``data``; logs a failure, never raises."""
         if not _in_run_context():
             return
-        from prefect.artifacts import TableArtifact, create_markdown_artifact, create_table_artifact
+        from prefect.artifacts import TableArtifact
 
         try:
             if self.artifact_id is None:
-                if self.table:
-                    self.artifact_id = create_table_artifact(table=data, key=self.key, description=self.description)
-                else:
-                    self.artifact_id = create_markdown_artifact(markdown=data, key=self.key, description=self.description)
-                self.created()
-                return
+                self.artifact_id = self._earlier_attempts()
+                if self.artifact_id is None:
+                    self.artifact_id = self._create(data)
+                    self.created()
+                    return
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.actions import ArtifactUpdate
 
-            body = TableArtifact(table=data).format() if self.table else data
+            body = TableArtifact(table=data).format() if self.form == "table" else data
             with get_client(sync_client=True) as client:
                 client.update_artifact(self.artifact_id, ArtifactUpdate(data=body))
         except Exception as exc:  # noqa: BLE001 - artifacts must not kill a run
             logger.warning("%s artifact not published: %s", self.kind, exc)
 
+    def _create(self, data: Any) -> Any:
+        from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
+
+        if self.form == "table":
+            return create_table_artifact(table=data, key=self.key, description=self.description)
+        if self.form == "progress":
+            return create_progress_artifact(progress=data, key=self.key, description=self.description)
+        return create_markdown_artifact(markdown=data, key=self.key, description=self.description)
+
+    def _earlier_attempts(self) -> Any:
+        """The id of this key's latest version if the current flow run made it (an earlier attempt
+        of this flow run: Prefect's Retry), else ``None``."""
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        latest = _latest_artifact(self.key)
+        if ctx is None or latest is None or latest.flow_run_id != ctx.flow_run.id:
+            return None
+        return latest.latest_id
+
     def created(self) -> None:
         """Called once, after the artifact was created."""
+
+
+class ProgressHandle(KeyedArtifact):
+    """The progress artifact ``nrl-<run>-progress`` (steps done, percent), a :class:`KeyedArtifact`."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(run_id, "progress", f"steps done of run {run_id}", form="progress")
+
+    def update(self, done: int, total: int) -> None:
+        self.publish(100.0 * done / max(total, 1))
 
 
 class SummaryHandle(KeyedArtifact):
@@ -283,7 +289,7 @@ class RunArtifacts:
     def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = (), *, algorithm: str = "GRPO") -> None:
         self.progress = ProgressHandle(run_id)
         self.summary = SummaryHandle(run_id, history)
-        self.metrics = KeyedArtifact(run_id, "metrics", f"{algorithm} metrics of run {run_id}", table=True)
+        self.metrics = KeyedArtifact(run_id, "metrics", f"{algorithm} metrics of run {run_id}", form="table")
         self.rollouts = KeyedArtifact(run_id, "rollouts", "best/worst rollouts")
 
 

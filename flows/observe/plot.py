@@ -181,7 +181,7 @@ def plot_png(rewards: Sequence[float | None], evals: Sequence[tuple[int, float]]
     width = SIZE[0] - _LEFT - _RIGHT
     vals = _finite(rewards)
     n = max(len(vals), 1)
-    window = max(1, min(10, n // 5 or 1))
+    window = max(2, min(10, n // 5))  # a moving average of at least 2 steps (of 1 it is the curve itself)
     stride = n / max(min(n, width), 1)  # bucketed: the x of bucket b is its middle step
     xs = [first_step + (b + 0.5) * stride - 0.5 for b in range(min(n, width))] if n > width else [first_step + i for i in range(n)]
     series = [Series("reward", list(zip(xs, bucket_means(vals, width))), LIGHT_BLUE, width=1)]

@@ -56,7 +56,7 @@ class LoggerConfig(Section):
     steps_per_subflow: int | None = Field(
         None,
         ge=1,
-        description="steps in one subflow run <run_id>-steps-0001-0005 (1: a subflow a step, <run_id>-step-0007); "
-        "default: a flow run's steps in at most 8 subflows (max_num_steps/8 rounded up), so the UI's runs list "
+        description="steps in one subflow run <run_id>-steps-0001-0010 (1: a subflow a step, <run_id>-step-0007); "
+        "default: a flow run's steps in at most 4 subflows (max_num_steps/4 rounded up), so the UI's runs list "
         "shows runs, not steps",
     )

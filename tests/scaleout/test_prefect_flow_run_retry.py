@@ -106,6 +106,18 @@ def _state_types(stack: PrefectStack, flow_run_id: str) -> list[str]:
     return [s.type.name for s in sorted(asyncio.run(go()), key=lambda s: s.timestamp)]
 
 
+def _artifact_keys(stack: PrefectStack, flow_run_id: str) -> list[str]:
+    """The keys of the keyed artifacts linked to the flow run (every version)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def go():
+        async with stack.client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+                                          limit=200)
+
+    return [a.key for a in asyncio.run(go()) if a.key]
+
+
 def _committed(run_dir: str, step: int) -> list[str]:
     d = os.path.join(run_dir, "steps", f"step_{step:06d}")
     return [x for x in DATASETS if os.path.exists(os.path.join(d, x, "_manifest.json"))]
@@ -196,6 +208,7 @@ def test_prefect_flow_run_retry_resumes_a_crashed_then_failed_run(tmp_path, tiny
             states = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]  # a Late run is SCHEDULED too
             assert states == ["SCHEDULED", "CRASHED", "SCHEDULED", "FAILED", "SCHEDULED", "COMPLETED"], states
             logs = "\n".join(stack.flow_run_logs(fid))
+            keys = _artifact_keys(stack, fid)
         except BaseException:
             print(stack.worker_logs(8000))
             raise
@@ -204,6 +217,8 @@ def test_prefect_flow_run_retry_resumes_a_crashed_then_failed_run(tmp_path, tiny
     marks.append(("stack closed", time.monotonic()))
     print("\n" + "; ".join(f"{k} {v - t0:.0f}s" for k, v in marks), "| stopped:", stack.stop_report)
 
+    # the retries updated the artifacts the first attempt made: one card of each kind in the flow run's Artifacts tab
+    assert sorted(keys) == sorted(f"nrl-{run_id}-{k}" for k in ("metrics", "progress", "rollouts", "summary")), keys
     # each retry restored checkpoint 2 in a fresh Ray and replayed step 3 from its batches
     ck_uri = os.path.join(run_dir, "checkpoints", "step_000002")
     assert logs.count(f"restored checkpoint {ck_uri}") == 2, logs[-4000:]
