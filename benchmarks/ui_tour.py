@@ -6,8 +6,9 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
 2. a GRPO run of ``configs/grpo_tiny_demo.yaml`` (SFT warm start, then GRPO) through the ``nrl``
    CLI, with TensorBoard on (and MLflow, given ``--mlflow-uri``); mid-run the run summary
    artifact is captured (``summary-midrun.png``), after it the flow run's page and log
-   (``flow-run.png``), the steps list (``steps-list.png``: the ``grpo-step`` flow's page, one
-   subflow run per step) and one step's page (``step-graph.png``: its stage tasks and data edges);
+   (``flow-run.png``), the subflows list (``steps-list.png``: the ``grpo-steps`` flow's page, the
+   run's steps grouped in subflow runs) and the first subflow's page (``step-graph.png``: its steps'
+   stage tasks and data edges);
 3. the ``eval-sweep`` flow served on a one-minute cron schedule (``Flow.serve``): after its first
    scheduled run the eval view artifact is captured (``eval-view.png``);
 4. TensorBoard (``tensorboard --logdir``) on the reward curve (``tensorboard.png``; its WebGL line
@@ -157,14 +158,15 @@ def run_tour(args: argparse.Namespace, procs: Processes, env: dict[str, str], ap
     if aid:  # the summary at the end: plot, history
         shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "summary-end.png"), height=1400)
     shoot(f"{ui}/runs", os.path.join(out, "runs-list.png"), height=1400)  # the runs list at the UI's default settings
-    # the steps list (the run's step subflow runs) and one step's graph: its stage tasks and edges
-    step_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-step"]}}, "limit": 1})
-    if step_flow:  # the UI's page of the grpo-step flow lists every step's subflow run
-        shoot(f"{ui}/flows/flow/{step_flow[0]['id']}", os.path.join(out, "steps-list.png"), height=1400)
-    step_name = f"{run_id}-step-{max(1, args.steps // 4):04d}"
-    step_run = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [step_name]}}, "limit": 1})
-    if step_run:
-        shoot(f"{ui}/runs/flow-run/{step_run[0]['id']}", os.path.join(out, "step-graph.png"), height=1000)
+    # the run's subflows (its steps, grouped) and one subflow's graph: its steps' stage tasks and edges
+    steps_flow = _api(api, "/flows/filter", {"flows": {"name": {"any_": ["grpo-steps"]}}, "limit": 1})
+    if steps_flow:  # the UI's page of the grpo-steps flow lists the subflow runs
+        shoot(f"{ui}/flows/flow/{steps_flow[0]['id']}", os.path.join(out, "steps-list.png"), height=1400)
+    sub = _api(api, "/flow_runs/filter", {"flows": {"name": {"any_": ["grpo-steps", "grpo-step"]}},
+                                          "flow_runs": {"parent_flow_run_id": {"any_": [grpo_run["id"]]}},
+                                          "sort": "EXPECTED_START_TIME_ASC", "limit": 1})
+    if sub:
+        shoot(f"{ui}/runs/flow-run/{sub[0]['id']}", os.path.join(out, "step-graph.png"), height=1000)
 
     # the eval sweep on a cron schedule: its first scheduled run
     serve_code = (
