@@ -24,7 +24,9 @@ from tests.fixtures.processes import Nrl
 pytestmark = pytest.mark.slow
 
 RUN_ID = "taken"
-STEPS = 6
+#: long enough that the old writer is still training when the new holder (a fresh process: ~10 s
+#: to start) takes the lease: steps are sub-second since the steps share a few subflows
+STEPS = 40
 
 
 def _committed(run_dir: str) -> dict[str, bytes]:
