@@ -71,24 +71,30 @@ def run_memory(cfg: Any, steps: int) -> tuple[list[dict[str, Any]], str, float]:
 Components = list[dict[str, float]]
 
 
-def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], Components]:
-    """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
+def _grpo_with_checksum(cfg: Any, run_id: str) -> tuple[dict[str, Any], str]:
+    """The GRPO flow run ``run_id`` (its actors kept), then its final weights' checksum read from
+    the kept policy: ``(flow result, checksum)``."""
     from flows.algorithms.grpo import grpo
-    from flows.observe.metrics import read_metrics
     from flows.run.runtime import setup_runtime
 
-    run_id = f"bench-flow{tag}-{os.getpid()}"
     os.environ["NRL_KEEP_ACTORS"] = "1"
     try:
-        with FlowSpans() as spans:
-            res = grpo(config=cfg, run_id=run_id)
+        res = grpo(config=cfg, run_id=run_id)
     finally:
         os.environ.pop("NRL_KEEP_ACTORS", None)
     rt = setup_runtime(cfg, run_id)  # attaches to the kept actors
     try:
-        checksum = rt.policy.weights_checksum(as_sent=False)
+        return res, rt.policy.weights_checksum(as_sent=False)
     finally:
         rt.shutdown()
+
+
+def run_flow(cfg: Any, steps: int, tag: str = "") -> tuple[list[dict[str, Any]], str, list[float], Components]:
+    """``(metrics rows, final weights checksum, step wall seconds, per-step components)``."""
+    from flows.observe.metrics import read_metrics
+
+    with FlowSpans() as spans:
+        res, checksum = _grpo_with_checksum(cfg, f"bench-flow{tag}-{os.getpid()}")
     rows = read_metrics(res["metrics_uri"])
     return rows, checksum, res["step_wall_s"], spans.per_step()
 
@@ -105,25 +111,13 @@ def run_grouping(cfg: Any, steps: int, logger_update: dict[str, Any], tag: str) 
     """One flow run with the logger settings ``logger_update``: the whole step loop's seconds per
     step (``loop_s / steps``: what the run pays, subflow starts and ends included), the actor work
     per step, the flow runs it created and the final weights' checksum."""
-    from flows.algorithms.grpo import grpo
     from flows.observe.metrics import read_metrics
-    from flows.run.runtime import setup_runtime
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     run_id = f"bench-group{tag}-{os.getpid()}"
-    cfg = cfg.model_copy(update={"logger": cfg.logger.model_copy(update=logger_update)})
-    os.environ["NRL_KEEP_ACTORS"] = "1"
-    try:
-        res = grpo(config=cfg, run_id=run_id)
-    finally:
-        os.environ.pop("NRL_KEEP_ACTORS", None)
-    rt = setup_runtime(cfg, run_id)
-    try:
-        checksum = rt.policy.weights_checksum(as_sent=False)
-    finally:
-        rt.shutdown()
+    res, checksum = _grpo_with_checksum(cfg.model_copy(update={"logger": cfg.logger.model_copy(update=logger_update)}), run_id)
     rows = read_metrics(res["metrics_uri"])
     with get_client(sync_client=True) as client:
         flow_runs = len(client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)), limit=200))

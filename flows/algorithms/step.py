@@ -42,7 +42,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, SummaryHandle, metrics_table, publish_summary, rollouts_markdown
+from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, SummaryHandle, metrics_table, rollouts_markdown
 from flows.observe.summary import metrics_window, summary_markdown
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.trackers import TrackerSet
@@ -152,20 +152,16 @@ def grpo_steps(segment: StepSegment, run_one: Callable[[int], None]) -> None:
         run_one(step)
 
 
-def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None = None,
-                     handle: SummaryHandle | None = None) -> None:
+def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None,
+                     handle: SummaryHandle) -> None:
     """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
     ``handle``: the flow run's summary, updated in place, with the run's history."""
     from nrl_tasks.stages.checkpoint import list_checkpoints
 
     ck = run.cfg.checkpointing
-    history = handle.history if handle is not None else ()
     md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
-                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=history)
-    if handle is not None:
-        handle.publish(md)
-    else:
-        publish_summary(run.run_id, md)
+                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=handle.history)
+    handle.publish(md)
 
 
 @contextmanager
@@ -208,8 +204,8 @@ def publish_step(
 ) -> dict[str, Any] | None:
     """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
     added to it), console line, artifacts and tracker curves (:mod:`flows.observe.trackers`), the last two
-    published in the background by ``publisher`` (``artifacts``: the flow run's, updated in place;
-    without them, a new version of the summary's key each step). ``log``: the logger of the run's flow run (its
+    published in the background by ``publisher`` into ``artifacts`` (the flow run's, updated in
+    place; none without them). ``log``: the logger of the run's flow run (its
     log gets the step line also when the step ran in a subflow; default: the current run's)."""
     import storage
 
@@ -230,10 +226,10 @@ def publish_step(
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
         if trackers is not None and publisher is not None:
             publisher.submit(trackers.sync, rows)
-        if cfg.logger.artifacts and publisher is not None:
-            summary = artifacts.summary if artifacts is not None else None
-            publisher.submit(_publish_summary, run, rows, plan.max_steps, trackers.links() if trackers is not None else None, summary)
-            if artifacts is not None and (plan.checkpoint or ctx.step == plan.max_steps):  # bounded: not every step
+        if cfg.logger.artifacts and publisher is not None and artifacts is not None:
+            links = trackers.links() if trackers is not None else None
+            publisher.submit(_publish_summary, run, rows, plan.max_steps, links, artifacts.summary)
+            if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
                 publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
                 n = cfg.logger.num_rollouts_to_show
                 if n > 0:
