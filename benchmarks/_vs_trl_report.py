@@ -13,8 +13,13 @@ DIFFERENCES = [
     "torch.multinomial per row; TRL's HF generate draws for the whole batch from torch's global generator "
     "(set_seed(seed)). Same distribution (softmax of logits / T, no top-k, top-p 1), different samples.",
     "decoder: ours is this project's KV-cache loop (prompts left-padded inside, explicit position ids, finished rows "
-    "dropped from the batch); TRL's is HF generate (left-padded prompts). Both stop at <|im_end|> (the tokenizer's and "
+    "dropped from the batch, each distinct prompt prefilled once and its KV cache shared by its 4 rows); TRL's is HF "
+    "generate (left-padded prompts, each of the 32 rows prefilled). Both stop at <|im_end|> (the tokenizer's and "
     "the model's EOS) or 16 tokens, no stop strings; the completion mask keeps the EOS token in both.",
+    "training forward: ours runs each prompt of a micro-batch once and its rows' completions on its KV cache "
+    "(policy.share_prompt_prefix, same loss and gradient to float32 rounding: tests/models/policy/"
+    "test_prefix_sharing.py); TRL runs all 32 prompt + completion rows and computes logits for the completion "
+    "positions only (logits_to_keep).",
     "held-out greedy accuracy: ours from the flow's val stage (this project's decoder, argmax), TRL's from HF generate "
     "(do_sample=False) in the driver; same prompts, same reward, same 16 tokens.",
     "weights: both generate with the model they train (ours: generation.colocated.enabled, inside the policy actor, "

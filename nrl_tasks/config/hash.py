@@ -44,6 +44,7 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "max_rollout_turns"),
     ("env", "environment"),
     ("env", "environment_kwargs"),
+    ("policy", "share_prompt_prefix"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",

@@ -41,6 +41,8 @@ def logprob_needed(cfg: MasterConfig) -> bool:
 def compute_logprobs(policy: PolicyInterface, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:
     """``{"prev_logprobs", "reference_policy_logprobs"}`` of a rollout batch."""
     data = BatchedDataDict({"input_ids": rollouts["input_ids"], "input_lengths": rollouts["input_lengths"]})
+    if "token_mask" in rollouts:  # where the prompts end: the policy runs a shared prompt once
+        data["token_mask"] = rollouts["token_mask"]
     prev = policy.get_logprobs(data)["logprobs"].to(torch.float32)
     if need_reference:
         ref = policy.get_reference_policy_logprobs(data)["reference_logprobs"].to(torch.float32)

@@ -25,6 +25,8 @@ Sampling conventions:
   ``max(len(stop)) + 4`` generated tokens (enough for any tokenizer whose tokens decode to at
   least one character). ``truncated`` is set when a row hit ``max_new_tokens`` (or the model's
   context length) without stopping.
+* Rows with the same prompt (a GRPO group) share one prefill: the prompt runs once and its
+  KV cache is repeated for them.
 * Rows that finished leave the compute batch (and the KV cache) once at most 3/4 of it is
   still decoding, so ragged stops do not keep costing compute.
 """
@@ -39,9 +41,11 @@ import torch
 
 __all__ = [
     "build_generation_output",
+    "cache_keyword",
     "filter_top_k_top_p",
     "generate_batch",
     "merge_stop_strings",
+    "new_cache",
     "resolve_pad_and_stop_ids",
     "sample_rows",
 ]
@@ -177,7 +181,8 @@ def _select_rows(cache: Any, keep: torch.Tensor) -> None:
         cache.reorder_cache(keep)
 
 
-def _make_cache(model: Any) -> Any:
+def new_cache(model: Any) -> Any:
+    """An empty ``DynamicCache`` for ``model`` (also used by the policy's shared-prompt forward)."""
     from transformers import DynamicCache
 
     try:
@@ -186,15 +191,24 @@ def _make_cache(model: Any) -> Any:
         return DynamicCache()
 
 
-def _forward_kwargs(model: Any) -> tuple[str, dict[str, Any]]:
-    """The KV-cache keyword of ``model.forward`` (``cache`` since transformers 5.2x, formerly
-    ``past_key_values``) and extra kwargs (``logits_to_keep=1`` where supported)."""
+def cache_keyword(model: Any) -> str:
+    """The KV-cache keyword of ``model.forward``: ``cache`` since transformers 5.2x, formerly
+    ``past_key_values``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return "past_key_values", {}
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    return cache_kw, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _forward_kwargs(model: Any) -> tuple[str, dict[str, Any]]:
+    """The KV-cache keyword of ``model.forward`` and extra kwargs (``logits_to_keep=1`` where
+    supported)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return cache_keyword(model), ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 
 @torch.no_grad()
@@ -220,11 +234,14 @@ def _decode_chunk(
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     width = int(lengths.max())
     max_steps = max(budgets)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = p
-        mask[i, width - len(p) :] = 1
+    # each distinct prompt is prefilled once; its rows then share its keys and values
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_of_row = [distinct.setdefault(tuple(p.tolist()), len(distinct)) for p in prompts]
+    ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for key, u in distinct.items():
+        ids[u, width - len(key) :] = torch.tensor(key, dtype=torch.long)
+        mask[u, width - len(key) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     ids, mask, position_ids = ids.to(device), mask.to(device), position_ids.to(device)
     next_pos = lengths.to(device).unsqueeze(1)
@@ -239,9 +256,13 @@ def _decode_chunk(
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
 
     cache_kw, extra = _forward_kwargs(model)
-    cache = extra[cache_kw] = _make_cache(model)
+    cache = extra[cache_kw] = new_cache(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     logits = out.logits[:, -1, :]
+    if len(distinct) < b:
+        expand = torch.tensor(prompt_of_row, device=device)
+        _select_rows(cache, expand)
+        logits, mask = logits[expand], mask[expand]
     # the compute batch holds the rows still decoding: ``rows`` maps its positions to chunk rows
     rows = torch.arange(b, device=device)
     for step in range(max_steps):

@@ -240,7 +240,11 @@ class PolicyConfig(Section):
     ``Policy.generate`` and the dtype weights are cast to for a refit. ``num_cpus_per_worker``:
     logical CPUs each worker actor asks for (``None``: its bundle's share);
     ``torch_num_threads``: intra-op threads per worker. ``deterministic``: deterministic torch
-    algorithms and seeded RNGs, so resumed training is bit-identical.
+    algorithms and seeded RNGs, so resumed training is bit-identical. ``share_prompt_prefix``:
+    ``get_logprobs`` and ``train`` run a prompt that several rows of a micro-batch share once and
+    the rows' own tokens on its KV cache (same loss and gradient to float32 rounding; padded
+    micro-batches of an unwrapped model; see
+    :mod:`~nrl_tasks.models.policy.workers.prefix_sharing`).
     """
 
     model_name: str
@@ -265,6 +269,7 @@ class PolicyConfig(Section):
     deterministic: bool = True
     dist_timeout_s: float = Field(600.0, gt=0.0)
     profiler_dir: str | None = None
+    share_prompt_prefix: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
@@ -309,6 +314,8 @@ class PolicyConfig(Section):
         data = self.model_dump(mode="json")
         if not self.dtensor_cfg.lora_cfg.enabled:  # hashes as before the key existed
             data["dtensor_cfg"].pop("lora_cfg")
+        if self.share_prompt_prefix:  # at its default: hashes as before the key existed
+            data.pop("share_prompt_prefix")
         return digest(data)
 
     def diff(self, other: "PolicyConfig") -> list[str]:

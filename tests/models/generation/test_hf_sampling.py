@@ -114,6 +114,30 @@ def test_seeds_reproducible_and_batch_independent(lm, batch):
     assert not torch.equal(a["output_ids"], c["output_ids"])
 
 
+def test_repeated_prompts_share_a_prefill_and_sample_as_alone(lm, batch):
+    """A GRPO-like batch (each prompt 3 times, groups interleaved): one prefill per distinct prompt,
+    and every row samples what it samples alone with its seed, with teacher-forced logprobs."""
+    model, tok = lm
+    ids, lengths = batch
+    order = torch.tensor([0, 1, 0, 2, 1, 0, 2, 1, 2])
+    seeds = torch.arange(100, 100 + len(order))
+    kw = dict(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    prefill_rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True,
+    )
+    try:
+        out = generate_batch(model, tok, ids[order], lengths[order], seeds=seeds, **kw)
+    finally:
+        hook.remove()
+    assert prefill_rows == [3]  # three distinct prompts, each run once
+    for j, i in enumerate(order.tolist()):
+        alone = generate_batch(model, tok, ids[i : i + 1, : int(lengths[i])], lengths[i : i + 1], seeds=seeds[j : j + 1], **kw)
+        assert _gen_tokens(out, lengths[order], j) == _gen_tokens(alone, lengths[i : i + 1], 0), f"row {j}"
+    torch.testing.assert_close(out["logprobs"], teacher_forced_logprobs(model, out, 1.0), atol=1e-4, rtol=1e-4)
+
+
 def test_stop_token_ids_and_truncated(lm, batch):
     model, tok = lm
     ids, lengths = batch

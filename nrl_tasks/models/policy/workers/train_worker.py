@@ -66,6 +66,12 @@ from nrl_tasks.models.policy.workers.parallel import (
     parallelize,
     state_bytes,
 )
+from nrl_tasks.models.policy.workers.prefix_sharing import (
+    PrefixPlan,
+    prefix_lengths_from_mask,
+    prefix_plan,
+    shared_prefix_logprobs,
+)
 from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
 from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
 from nrl_tasks.models.policy.workers.sampling_mixin import SamplingMixin
@@ -252,7 +258,18 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
                 return packed_forward_logprobs(
                     self.model, ids, lengths, self.cfg.temperature, self.cfg.sequence_packing.sequence_length_pad_multiple
                 )
+            plan = self._prefix_plan(mb, ids, lengths)
+            if plan is not None:
+                return shared_prefix_logprobs(self.model, ids, plan, self.cfg.temperature)
             return padded_forward_logprobs(self.model, ids, lengths, self.cfg.temperature)
+
+    def _prefix_plan(self, mb: BatchedDataDict, ids: torch.Tensor, lengths: torch.Tensor) -> PrefixPlan | None:
+        """Which rows of a padded micro-batch share their prompt (``share_prompt_prefix``), from
+        their ``token_mask``; None to run the plain forward. Off on a wrapped model: there every
+        rank must run as many forwards as the others."""
+        if not self.cfg.share_prompt_prefix or self.layout.wrapped or "token_mask" not in mb:
+            return None
+        return prefix_plan(ids, lengths, prefix_lengths_from_mask(mb["token_mask"], lengths))
 
     def _microbatches(self, data: BatchedDataDict, mbs: int) -> tuple[list[BatchedDataDict], bool]:
         """Micro-batches of ``data`` per its plan (dynamic / packing) or of ``mbs`` rows."""

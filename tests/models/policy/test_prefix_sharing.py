@@ -1,0 +1,124 @@
+"""Shared-prompt forward: rows of a GRPO group run their prompt once and get the logprobs, loss and
+gradient of the plain padded forward (to float32 rounding), in the function and in a PolicyWorker."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.models.policy import PolicyConfig
+from nrl_tasks.models.policy.workers.in_process import in_process_worker
+from nrl_tasks.models.policy.workers.logprobs import length_mask, padded_forward_logprobs
+from nrl_tasks.models.policy.workers.prefix_sharing import (
+    prefix_lengths_from_mask,
+    prefix_plan,
+    shared_prefix_logprobs,
+)
+
+#: (prompt length, completion lengths of its rows): groups of 3, 2 and 1 rows, and a prompt of 5
+#: tokens that is the start of the 7-token one (a different prompt: its own group)
+LAYOUT = [(7, [4, 9, 1]), (5, [6, 2]), (9, [3]), (7, [5, 5, 8])]
+
+
+def grouped_batch(seed: int = 0, vocab: int = 300) -> BatchedDataDict:
+    """Right-padded rows ``prompt + completion`` with ``token_mask`` on the completions and the
+    GRPO loss inputs; the prompts of groups 0 and 1 begin alike, group 3 repeats group 0's."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (p,), generator=g) for p, _ in LAYOUT]
+    prompts[1] = prompts[0][:5].clone()
+    prompts[3] = prompts[0].clone()
+    rows = [(prompt, torch.randint(3, vocab, (n,), generator=g)) for prompt, (_, ns) in zip(prompts, LAYOUT) for n in ns]
+    width = max(len(p) + len(c) for p, c in rows) + 2
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    token_mask = torch.zeros(len(rows), width)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.cat([p, c])
+        token_mask[i, len(p) : len(p) + len(c)] = 1.0
+    lengths = torch.tensor([len(p) + len(c) for p, c in rows])
+    valid = length_mask(lengths, width)
+    base = (-5.0 + 0.1 * torch.randn(len(rows), width, generator=g)) * valid
+    base[:, 0] = 0
+    return BatchedDataDict({
+        "input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": torch.ones(len(rows)),
+        "advantages": torch.randn(len(rows), 1, generator=g) * token_mask,
+        "prev_logprobs": base, "generation_logprobs": base, "reference_policy_logprobs": base + 0.05 * valid,
+    })
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+
+
+def test_plan_groups_rows_by_their_prompt():
+    batch = grouped_batch()
+    lengths = batch["input_lengths"]
+    prefix = prefix_lengths_from_mask(batch["token_mask"], lengths)
+    assert prefix.tolist() == [7, 7, 7, 5, 5, 9, 7, 7, 7]
+    plan = prefix_plan(batch["input_ids"], lengths, prefix)
+    assert plan.group_of_row == [0, 0, 0, 1, 1, 2, 0, 0, 0]
+    assert plan.prefixes == [(0, 7), (3, 5), (5, 9)]
+    assert plan.tokens_saved == 7 * 6 + 5 * 2 + 9 - (7 + 5 + 9)
+    # nothing shared, or a row too short to have a token after its prompt: the plain forward
+    alone = prefix_plan(batch["input_ids"][[0, 3, 5]], lengths[[0, 3, 5]], prefix[[0, 3, 5]])
+    assert alone is None
+    short = lengths.clone()
+    short[0] = 1
+    assert prefix_plan(batch["input_ids"], short, prefix) is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_forward_gives_the_plain_logprobs_loss_and_gradient(model, temperature):
+    batch = grouped_batch(seed=1)
+    ids, lengths, mask = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
+    plan = prefix_plan(ids, lengths, prefix_lengths_from_mask(mask, lengths))
+    assert plan is not None
+    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
+    tokens, seqs = mask[:, 1:].sum(), torch.tensor(float(len(lengths)))
+    out = {}
+    for name, forward in (("plain", lambda: padded_forward_logprobs(model, ids, lengths, temperature)),
+                          ("shared", lambda: shared_prefix_logprobs(model, ids, plan, temperature))):
+        model.zero_grad(set_to_none=True)
+        lp = forward()
+        loss, _ = loss_fn(lp[:, 1:], batch, seqs, tokens)
+        loss.backward()
+        out[name] = (lp.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    plain, shared = out["plain"], out["shared"]
+    # every position a row has, prompt positions included; zeros elsewhere
+    torch.testing.assert_close(shared[0], plain[0], rtol=0, atol=2e-5)
+    assert (shared[0][~length_mask(lengths, ids.shape[1])] == 0).all() and (shared[0][:, 0] == 0).all()
+    torch.testing.assert_close(shared[1], plain[1], rtol=1e-5, atol=1e-7)
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(shared[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_worker_trains_alike_with_and_without_sharing(tiny_model_dir):
+    """The worker's train and get_logprobs with ``share_prompt_prefix`` on (the default) and off."""
+    batch = grouped_batch(seed=2)
+    cfg = PolicyConfig(model_name=tiny_model_dir, train_global_batch_size=9, train_micro_batch_size=9,
+                       max_grad_norm=None, optimizer={"kwargs": {"lr": 1e-3}}, generation={"temperature": 0.8})
+    assert cfg.share_prompt_prefix
+    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
+    results, grads, logprobs = {}, {}, {}
+    with in_process_worker(cfg) as worker:
+        initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
+        opt_state = copy.deepcopy(worker.optimizer.state_dict())
+        for share in (True, False):
+            worker.cfg = cfg.model_copy(update={"share_prompt_prefix": share})
+            worker.model.load_state_dict(initial)
+            worker.optimizer.load_state_dict(copy.deepcopy(opt_state))
+            logprobs[share] = worker.get_logprobs(batch)["logprobs"]
+            results[share] = worker.train(batch, loss_fn)
+            grads[share] = worker.get_gradients()
+    torch.testing.assert_close(logprobs[True], logprobs[False], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(results[True]["global_loss"], results[False]["global_loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(results[True]["grad_norm"], results[False]["grad_norm"], rtol=1e-4)
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
