@@ -20,18 +20,22 @@ from nrl_tasks.models.policy.workers.prefix_sharing import (
     shared_prefix_logprobs,
 )
 
-#: (prompt length, completion lengths of its rows): groups of 3, 2 and 1 rows, and a prompt of 5
-#: tokens that is the start of the 7-token one (a different prompt: its own group)
-LAYOUT = [(7, [4, 9, 1]), (5, [6, 2]), (9, [3]), (7, [5, 5, 8])]
+#: (prompt length, completion lengths of its rows): groups of 6, 2, 1 and 2 rows (the first prompt
+#: comes twice), and a prompt of 5 tokens that is the start of the 7-token one (its own group)
+LAYOUT = [(7, [4, 9, 1]), (5, [6, 2]), (9, [3]), (7, [5, 5, 8]), (6, [2, 4])]
 
 
-def grouped_batch(seed: int = 0, vocab: int = 300) -> BatchedDataDict:
+def grouped_batch(seed: int = 0, vocab: int = 300, common_start: bool = False) -> BatchedDataDict:
     """Right-padded rows ``prompt + completion`` with ``token_mask`` on the completions and the
-    GRPO loss inputs; the prompts of groups 0 and 1 begin alike, group 3 repeats group 0's."""
+    GRPO loss inputs; the prompts of groups 0 and 1 begin alike, group 3 repeats group 0's;
+    ``common_start``: all 4 prompts begin with the same 4 tokens (like a chat template's header)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (p,), generator=g) for p, _ in LAYOUT]
     prompts[1] = prompts[0][:5].clone()
     prompts[3] = prompts[0].clone()
+    if common_start:
+        prompts[2][:4] = prompts[0][:4]
+        prompts[4][:4] = prompts[0][:4]
     rows = [(prompt, torch.randint(3, vocab, (n,), generator=g)) for prompt, (_, ns) in zip(prompts, LAYOUT) for n in ns]
     width = max(len(p) + len(c) for p, c in rows) + 2
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -61,25 +65,32 @@ def test_plan_groups_rows_by_their_prompt():
     batch = grouped_batch()
     lengths = batch["input_lengths"]
     prefix = prefix_lengths_from_mask(batch["token_mask"], lengths)
-    assert prefix.tolist() == [7, 7, 7, 5, 5, 9, 7, 7, 7]
+    assert prefix.tolist() == [7, 7, 7, 5, 5, 9, 7, 7, 7, 6, 6]
     plan = prefix_plan(batch["input_ids"], lengths, prefix)
-    assert plan.group_of_row == [0, 0, 0, 1, 1, 2, 0, 0, 0]
-    assert plan.prefixes == [(0, 7), (3, 5), (5, 9)]
-    assert plan.tokens_saved == 7 * 6 + 5 * 2 + 9 - (7 + 5 + 9)
+    assert plan.group_of_row == [0, 0, 0, 1, 1, 2, 0, 0, 0, 3, 3]
+    assert plan.prefixes == [(0, 7), (3, 5), (5, 9), (9, 6)]
+    assert plan.tokens_saved == 7 * 6 + 5 * 2 + 9 + 6 * 2 - (7 + 5 + 9 + 6)
+    assert plan.common_length == 0  # the third and fourth prompts start otherwise
+    common = prefix_plan(*(grouped_batch(common_start=True)[k] for k in ("input_ids", "input_lengths")), prefix)
+    assert common.common_length == 4 and common.tokens_saved == plan.tokens_saved + 4 * 3
+    # fewer prompts than MIN_COMMON_PROMPTS: no pass of their common start
+    rows = [0, 1, 2, 3, 4, 5]
+    three = prefix_plan(*(grouped_batch(common_start=True)[k][rows] for k in ("input_ids", "input_lengths")), prefix[rows])
+    assert three.common_length == 0 and len(three.prefixes) == 3
     # nothing shared, or a row too short to have a token after its prompt: the plain forward
-    alone = prefix_plan(batch["input_ids"][[0, 3, 5]], lengths[[0, 3, 5]], prefix[[0, 3, 5]])
+    alone = prefix_plan(batch["input_ids"][[0, 3, 5, 9]], lengths[[0, 3, 5, 9]], prefix[[0, 3, 5, 9]])
     assert alone is None
     short = lengths.clone()
     short[0] = 1
     assert prefix_plan(batch["input_ids"], short, prefix) is None
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_forward_gives_the_plain_logprobs_loss_and_gradient(model, temperature):
-    batch = grouped_batch(seed=1)
+@pytest.mark.parametrize("temperature,common_start", [(1.0, False), (0.7, False), (1.0, True)])
+def test_shared_forward_gives_the_plain_logprobs_loss_and_gradient(model, temperature, common_start):
+    batch = grouped_batch(seed=1, common_start=common_start)
     ids, lengths, mask = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
     plan = prefix_plan(ids, lengths, prefix_lengths_from_mask(mask, lengths))
-    assert plan is not None
+    assert plan is not None and plan.common_length == (4 if common_start else 0)
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
     tokens, seqs = mask[:, 1:].sum(), torch.tensor(float(len(lengths)))
     out = {}
@@ -101,8 +112,8 @@ def test_shared_forward_gives_the_plain_logprobs_loss_and_gradient(model, temper
 
 def test_worker_trains_alike_with_and_without_sharing(tiny_model_dir):
     """The worker's train and get_logprobs with ``share_prompt_prefix`` on (the default) and off."""
-    batch = grouped_batch(seed=2)
-    cfg = PolicyConfig(model_name=tiny_model_dir, train_global_batch_size=9, train_micro_batch_size=9,
+    batch = grouped_batch(seed=2, common_start=True)
+    cfg = PolicyConfig(model_name=tiny_model_dir, train_global_batch_size=11, train_micro_batch_size=11,
                        max_grad_norm=None, optimizer={"kwargs": {"lr": 1e-3}}, generation={"temperature": 0.8})
     assert cfg.share_prompt_prefix
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
