@@ -122,8 +122,9 @@ def spec_rows(cfg: Any, tokenizer: Any, records: list[dict[str, str]]) -> list[d
     return rows
 
 
-def build_spec(cfg: Any, seed: int, steps: int, val: int) -> dict[str, Any]:
-    """The TRL driver's spec: this project's train prompts in its order (steps x 8) and its first ``val`` held-out ones."""
+def build_spec(cfg: Any, seed: int, steps: int, val: int, micro_batch: int | None = None) -> dict[str, Any]:
+    """The TRL driver's spec: this project's train prompts in its order (steps x 8) and its first ``val`` held-out
+    ones; TRL's micro-batch is ours unless ``micro_batch`` says otherwise."""
     from transformers import AutoTokenizer
 
     from nrl_tasks.models.builtin import resolve_model_path
@@ -138,7 +139,7 @@ def build_spec(cfg: Any, seed: int, steps: int, val: int) -> dict[str, Any]:
     held_out = load_prompt_records(cfg.data, "val", seed)[:val]
     return {
         "model_dir": model_dir, "seed": seed, "steps": steps, "prompts_per_step": g.num_prompts_per_step,
-        "num_generations": g.num_generations_per_prompt, "micro_batch_size": cfg.policy.train_micro_batch_size,
+        "num_generations": g.num_generations_per_prompt, "micro_batch_size": micro_batch or cfg.policy.train_micro_batch_size,
         "max_new_tokens": cfg.gen.max_new_tokens, "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p,
         "lr": cfg.policy.optimizer.kwargs.lr, "max_grad_norm": cfg.policy.max_grad_norm,
         "threads": cfg.policy.torch_num_threads, "val_batch_size": g.val_batch_size,
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--systems", nargs="*", default=["trl", "nrl"], choices=["trl", "nrl"])
     ap.add_argument("--same-batch", action="store_true", help="only feed one rollout batch of ours through both "
                     "systems' loss code and compare loss and gradients (seconds; no training)")
+    ap.add_argument("--trl-micro-batch", type=int, default=None, help="TRL's per_device_train_batch_size (default: "
+                    "ours, policy.train_micro_batch_size); the update is the same whatever the micro-batch")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--keep", default=None, help="keep the runs, logs and TRL specs in this folder")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of this project's config (the TRL side follows "
@@ -308,10 +311,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 json.dump(check, fh, indent=1)
         return check
     results: dict[str, Any] = {"seeds": seeds, "steps": steps, "val": val, "config": CONFIG, "overrides": overrides,
-                               "runs": {}, "differences": DIFFERENCES}
+                               "runs": {}, "differences": list(DIFFERENCES)}
     for seed in seeds:
         cfg = load_config(CONFIG, [*overrides, f"grpo.seed={seed}", f"grpo.max_num_steps={steps}"])
-        spec = build_spec(cfg, seed, steps, val)
+        spec = build_spec(cfg, seed, steps, val, args.trl_micro_batch)
+        if spec["micro_batch_size"] != cfg.policy.train_micro_batch_size and seed == seeds[0]:
+            results["differences"].append(
+                f"micro-batch: TRL {spec['micro_batch_size']} rows (--trl-micro-batch), ours "
+                f"{cfg.policy.train_micro_batch_size}: the same update (a sum over the batch's tokens / their count), "
+                "other speed")
         work = os.path.join(keep, f"seed{seed}")
         os.makedirs(work, exist_ok=True)
         runs: dict[str, Any] = {}
