@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 
 def test_quick_run_returns_real_figures(capsys):
     from benchmarks.bench_prompt_sharing import main

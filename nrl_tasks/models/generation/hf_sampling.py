@@ -191,23 +191,24 @@ def new_cache(model: Any) -> Any:
         return DynamicCache()
 
 
+def _forward_parameters(model: Any) -> Mapping[str, Any]:
+    """The parameters of ``model.forward`` (empty when its signature cannot be read)."""
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def cache_keyword(model: Any) -> str:
     """The KV-cache keyword of ``model.forward``: ``cache`` since transformers 5.2x, formerly
     ``past_key_values``."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
 
 
 def _forward_kwargs(model: Any) -> tuple[str, dict[str, Any]]:
     """The KV-cache keyword of ``model.forward`` and extra kwargs (``logits_to_keep=1`` where
     supported)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
+    params = _forward_parameters(model)
     return cache_keyword(model), ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 

@@ -18,8 +18,9 @@ holds a value at every position, prompt positions included.
 position of its first loss token (``token_mask``). Rows group by their prefix's tokens; a row
 whose prompt no other row has is its own group. The start all the prompts have in common (a
 chat template's system line and turn header, ``common_length``) runs once before them, for
-all of them, when the micro-batch holds at least :data:`MIN_COMMON_PROMPTS` prompts. :func:`prefix_plan` returns ``None`` when nothing would be saved (no prompt
-shared) so the caller runs the plain forward.
+all of them, when the micro-batch holds at least :data:`MIN_COMMON_PROMPTS` prompts.
+:func:`prefix_plan` returns ``None`` when nothing would be saved (no prompt shared) so the
+caller runs the plain forward.
 
 Not used with packed sequences (their rows already run as one sequence) nor with a model that
 FSDP2 wraps (there every rank must run the same number of forwards; see ``PolicyWorker``).
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.models.generation.hf_sampling import cache_keyword, new_cache
+from nrl_tasks.models.policy.workers.logprobs import next_token_logprobs
 
 #: the prompts' common start runs as its own pass from this many tokens and this many prompts
 #: on: with 2 prompts of SmolLM2's chat template (a 27-token common start) the extra pass cost
@@ -40,7 +42,14 @@ from nrl_tasks.models.generation.hf_sampling import cache_keyword, new_cache
 MIN_COMMON_TOKENS = 4
 MIN_COMMON_PROMPTS = 4
 
-__all__ = ["MIN_COMMON_PROMPTS", "MIN_COMMON_TOKENS", "PrefixPlan", "prefix_lengths_from_mask", "prefix_plan", "shared_prefix_logprobs"]
+__all__ = [
+    "MIN_COMMON_PROMPTS",
+    "MIN_COMMON_TOKENS",
+    "PrefixPlan",
+    "prefix_lengths_from_mask",
+    "prefix_plan",
+    "shared_prefix_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,6 @@ class PrefixPlan:
     group_of_row: list[int]
     prefixes: list[tuple[int, int]]
     lengths: list[int]
-
     common_length: int = 0
 
     @property
@@ -66,8 +74,7 @@ def prefix_lengths_from_mask(token_mask: torch.Tensor, lengths: torch.Tensor) ->
     """``[B]``: each row's first position with ``token_mask > 0`` (its prompt length), or its
     length when it has none."""
     on = token_mask > 0
-    first = torch.where(on.any(dim=1), on.to(torch.int8).argmax(dim=1), lengths.to(torch.long))
-    return first.to(torch.long)
+    return torch.where(on.any(dim=1), on.to(torch.int8).argmax(dim=1), lengths.to(torch.long))
 
 
 def prefix_plan(input_ids: torch.Tensor, lengths: torch.Tensor, prefix_lengths: torch.Tensor) -> PrefixPlan | None:
@@ -151,17 +158,12 @@ def shared_prefix_logprobs(
         input_ids=own_ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **{cache_kw: cache}
     ).logits
 
-    # log p(target | ...) = logit[target] - logsumexp(logits), from each pass's own logits
-    pre = pre_logits.float() / temperature if temperature != 1.0 else pre_logits.float()
-    own = own_logits.float() / temperature if temperature != 1.0 else own_logits.float()
-    pre_lse, own_lse = torch.logsumexp(pre, dim=-1), torch.logsumexp(own, dim=-1)  # [G, P], [B, s]
-    pre_lp = pre[:, :-1].gather(-1, prefix_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - pre_lse[:, :-1]
-    own_lp = own[:, :-1].gather(-1, own_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - own_lse[:, :-1]
-    # a row's first own token is predicted by its prompt's last position
-    group_t = torch.tensor(plan.group_of_row, device=device)
-    last_t = torch.tensor(row_prefix, device=device) - 1
-    first_tok = own_ids[:, :1]
-    bridge = pre[group_t, last_t].gather(-1, first_tok).squeeze(-1) - pre_lse[group_t, last_t]
+    # each pass scores its own next tokens; a row's first own token is predicted by its
+    # prompt's last position
+    pre_lp = next_token_logprobs(pre_logits, prefix_ids, temperature)  # [G, P - 1]
+    own_lp = next_token_logprobs(own_logits, own_ids, temperature)  # [B, s - 1]
+    last = pre_logits[torch.tensor(plan.group_of_row, device=device), torch.tensor(row_prefix, device=device) - 1]
+    bridge = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, own_ids[:, :1]).squeeze(-1)  # [B]
 
     # assemble [B, S] by indexing one flat vector: [pre_lp | bridge | own_lp | 0]
     flat = torch.cat([pre_lp.reshape(-1), bridge, own_lp.reshape(-1), pre_lp.new_zeros(1)])
