@@ -144,17 +144,13 @@ def _records(cfg: MasterConfig, run_id: str, dataset: str | None, max_prompts: i
             storage_options=cfg.storage.storage_options or None,
         )
     else:
-        import storage
+        from nrl_tasks.stages.data import load_prompt_records, read_records_snapshot
 
+        opts = cfg.storage.storage_options or None
         uri = join_uri(RunLayout(cfg.storage.root, run_id).run_uri, "data", "val")
-        kw = {"storage_options": cfg.storage.storage_options} if cfg.storage.storage_options else {}
-        if storage.is_committed(uri, **kw):
-            b = storage.load_batch(uri, **kw)
-            recs = [{"prompt": p, "answer": a} for p, a in zip(b["prompt"], b["answer"])]
-        else:
-            from nrl_tasks.stages.data import load_prompt_records
-
-            recs = load_prompt_records(cfg.data, "val", cfg.grpo.seed, cfg.storage.storage_options or None)
+        recs = read_records_snapshot(uri, opts)  # every field of a row (a multi-turn episode's first metadata)
+        if recs is None:
+            recs = load_prompt_records(cfg.data, "val", cfg.grpo.seed, opts)
     limit = max_prompts or cfg.grpo.max_val_samples
     return recs[:limit]
 

@@ -47,6 +47,7 @@ __all__ = [
     "load_prompt_file",
     "load_prompt_records",
     "step_record_indices",
+    "read_records_snapshot",
     "snapshot_records",
     "text_budget",
     "tokenize_prompts",
@@ -434,13 +435,36 @@ def snapshot_records(
 
     kw = {"storage_options": storage_options} if storage_options else {}
     uri = join_uri(layout.run_uri, "data", split)
-    if storage.is_committed(uri, **kw):
-        b = storage.load_batch(uri, **kw)
-        return [{"prompt": p, "answer": a} for p, a in zip(b["prompt"], b["answer"])]
+    found = read_records_snapshot(uri, storage_options)
+    if found is not None:
+        return found
     recs = load_prompt_records(cfg.data, split, cfg.grpo.seed, storage_options)
     if tokenizer is not None:
         src = getattr(cfg.data, f"{split}_path", None) or f"{cfg.data.dataset} {split} split"
         check_prompt_lengths(recs, cfg.data, tokenizer, cfg.max_prompt_tokens(), source=src)
-    batch = BatchedDataDict({"prompt": [r["prompt"] for r in recs], "answer": [r["answer"] for r in recs]})
+    # every field of a row, not only prompt and answer: a multi-turn environment's first metadata
+    # is the whole row, and a later process of the run (resume, extension) must give it the same
+    batch = BatchedDataDict({
+        "prompt": [r["prompt"] for r in recs], "answer": [r["answer"] for r in recs],
+        _EXTRA: [json.dumps({k: v for k, v in r.items() if k not in ("prompt", "answer")}, ensure_ascii=False) for r in recs],
+    })
     storage.save_batch(batch, uri, **kw, run_id=layout.run_id, stage=f"data-{split}", step=0)
     return recs
+
+
+#: the snapshot column holding each row's fields besides ``prompt`` and ``answer`` (JSON text)
+_EXTRA = "fields"
+
+
+def read_records_snapshot(uri: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]] | None:
+    """The records of a committed prompt snapshot at ``uri`` with every field they were saved
+    with (``None``: not committed). Snapshots written before the ``fields`` column hold
+    ``prompt`` and ``answer`` only."""
+    import storage
+
+    kw = {"storage_options": storage_options} if storage_options else {}
+    if not storage.is_committed(uri, **kw):
+        return None
+    b = storage.load_batch(uri, **kw)
+    extra = b[_EXTRA] if _EXTRA in b else [None] * len(b["prompt"])
+    return [{**(json.loads(e) if e else {}), "prompt": p, "answer": a} for p, a, e in zip(b["prompt"], b["answer"], extra)]
