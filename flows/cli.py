@@ -4,11 +4,14 @@
 
     nrl grpo --config configs/grpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl dpo --config configs/dpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
+    nrl sft --config configs/sft_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
+    nrl train --config FILE [key=value ...]       (the config's algorithm: its `algorithm` key or section)
     nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
     nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K] [--max-prompts N]
     nrl runs [--storage URI]
 
-``key=value`` overrides may come before, between or after the options. Defaults: storage
+One start command per registered algorithm (:mod:`flows.algorithms.registry`), each the same
+code with the algorithm's recipe. ``key=value`` overrides may come before, between or after the options. Defaults: storage
 ``./runs``; no ``PREFECT_API_URL`` -> Prefect's ephemeral API; no Ray address
 (``cluster.ray.address`` or ``RAY_ADDRESS``) -> a local Ray. The command line, the config and
 the storage URI are validated before anything starts (with :func:`flows.config.preflight.preflight`:
@@ -28,19 +31,33 @@ import time
 from collections.abc import Sequence
 from typing import Annotated
 
+from typing import Any
+
 from cyclopts import App, Parameter
 from cyclopts.exceptions import CycloptsError, UnusedCliTokensError
 
+from flows.algorithms.registry import RECIPES, recipe_of
+from flows.algorithms.step import flow_label
 from flows.cli_run import EXIT_FAILED, run_flow
+from flows.config import ConfigError, read_config_data
+from flows.config.preflight import preflight
+from flows.config.resolve import new_run_id, resolve_config
+from flows.run.lease import resume_refusal
+from flows.run.process import describe_status
+from flows.run.recipe import Recipe
+from flows.run.start import plan_start
+from flows.run.state import check_storage_root, read_status, saved_config_data
+from nrl_tasks.run_layout import RunLayout, validate_run_id
+from storage import fs
 
 __all__ = ["app", "main"]
 
 EXIT_USAGE = 2
-_OVERRIDE_COMMANDS = ("grpo", "dpo", "resume")
+_OVERRIDE_COMMANDS = (*RECIPES, "train", "resume")
 
 app = App(
     name="nrl",
-    help="GRPO post-training as resumable Prefect flows on Ray actors",
+    help="Post-training (SFT, DPO, GRPO, ...) as resumable Prefect flows on Ray actors",
     version_flags=(),
     result_action="return_value",
     suppress_keyboard_interrupt=False,
@@ -75,61 +92,68 @@ def _blank(**options: str | None) -> str | None:
     return None
 
 
-@app.command(sort_key=0)
-def grpo(*overrides: Overrides, config: str, storage: str | None = None, run_id: str | None = None) -> int:
-    """Start a GRPO run.
+def _start_command(recipe: Recipe) -> Any:
+    """``nrl <kind>``: start a run of ``recipe`` (one command per registered algorithm)."""
+
+    def start(*overrides: Overrides, config: str, storage: str | None = None, run_id: str | None = None) -> int:
+        return _start(recipe, config, list(overrides), storage, run_id)
+
+    name = recipe.kind.upper()
+    start.__doc__ = f"""Start {'an' if name[0] in 'AEFHILMNORSX' else 'a'} {name} run (a config with its `{recipe.section}` settings, e.g. configs/{recipe.kind}_tiny.yaml).
+
+        Args:
+            overrides: dotted config overrides (e.g. {recipe.section}.max_num_steps=20)
+            config: YAML config
+            storage: storage root: local path, file:// or s3:// (default: config's, ./runs)
+            run_id: run id (default: {recipe.kind}-YYYYmmdd-HHMMSS-xxxxxx)
+        """
+    return start
+
+
+for _i, _recipe in enumerate(RECIPES.values()):
+    app.command(_start_command(_recipe), name=_recipe.kind, sort_key=_i)
+
+
+@app.command(sort_key=len(RECIPES))
+def train(*overrides: Overrides, config: str, storage: str | None = None, run_id: str | None = None) -> int:
+    """Start a run of the config's algorithm: its `algorithm` key (a registered kind, or module:attribute
+    of a recipe) or the algorithm whose section it has.
 
     Args:
-        overrides: dotted config overrides (e.g. grpo.max_num_steps=20)
-        config: YAML config (e.g. configs/grpo_tiny.yaml)
+        overrides: dotted config overrides
+        config: YAML config
         storage: storage root: local path, file:// or s3:// (default: config's, ./runs)
-        run_id: run id (default: grpo-YYYYmmdd-HHMMSS-xxxxxx)
+        run_id: run id
     """
-    return _start("grpo", config, list(overrides), storage, run_id)
+    try:
+        recipe = recipe_of(read_config_data(config, list(overrides)))
+    except ValueError as exc:
+        return _error(str(exc))
+    return _start(recipe, config, list(overrides), storage, run_id)
 
 
-@app.command(sort_key=1)
-def dpo(*overrides: Overrides, config: str, storage: str | None = None, run_id: str | None = None) -> int:
-    """Start a DPO run (a config with a `dpo` section, e.g. configs/dpo_tiny.yaml).
-
-    Args:
-        overrides: dotted config overrides (e.g. data.train_path=pairs.jsonl)
-        config: YAML config with a `dpo` section
-        storage: storage root: local path, file:// or s3:// (default: config's, ./runs)
-        run_id: run id (default: dpo-YYYYmmdd-HHMMSS-xxxxxx)
-    """
-    return _start("dpo", config, list(overrides), storage, run_id)
-
-
-def _start(kind: str, config: str, overrides: list[str], storage: str | None, run_id: str | None) -> int:
-    """``nrl grpo`` / ``nrl dpo``: a new run, refused (exit 2) before anything starts when its
-    config, storage root or run id is bad or the run exists already."""
+def _start(recipe: Recipe, config: str, overrides: list[str], storage: str | None, run_id: str | None) -> int:
+    """``nrl <kind>``: a new run, refused (exit 2) before anything starts when its config,
+    storage root or run id is bad or the run exists already."""
     if (blank := _blank(storage=storage, run_id=run_id)) is not None:
         return _error(blank)
-    from flows.config import ConfigError
-    from flows.config.preflight import preflight
-    from flows.config.resolve import new_run_id, resolve_config
-    from nrl_tasks.run_layout import RunLayout, validate_run_id
-    from storage import fs
-
     try:
-        run_id = validate_run_id(run_id) if run_id is not None else new_run_id(kind)
-        cfg = resolve_config(config, overrides, storage, algorithm=kind)  # a config or override of the other kind: refused
+        run_id = validate_run_id(run_id) if run_id is not None else new_run_id(flow_label(recipe.kind))
+        cfg = resolve_config(config, overrides, storage, recipe=recipe)  # a config or override of another kind: refused
+        problems = recipe.check_config(cfg)
+        if problems:
+            raise ConfigError("; ".join(problems))
         layout = RunLayout(cfg.storage.root, run_id)
         if fs.exists(layout.config_uri, storage_options=cfg.storage.storage_options or None):
             raise ConfigError(f"run {run_id!r} already exists under {cfg.storage.root!r}: use `nrl resume {run_id}`")
-        preflight(cfg)  # GRPO's prompt files or DPO's preference pairs, plug-ins, model, Ray size
+        preflight(cfg, check_data=recipe.check_data)  # the run's data, plug-ins, model, Ray size
     except ValueError as exc:
         return _error(str(exc))
-    print(f"nrl: {'dpo run' if kind == 'dpo' else 'run'} {run_id} -> {layout.run_uri}", flush=True)
-    if kind == "dpo":
-        from flows.algorithms.dpo import dpo as flow
-    else:
-        from flows.algorithms.grpo import grpo as flow
-    return run_flow(lambda: flow(config=config, run_id=run_id, overrides=overrides, storage=cfg.storage.root), layout)
+    print(f"nrl: {recipe.kind} run {run_id} -> {layout.run_uri}", flush=True)
+    return run_flow(lambda: recipe.run(config=config, run_id=run_id, overrides=overrides, storage=cfg.storage.root), layout)
 
 
-@app.command(sort_key=2)
+@app.command(sort_key=len(RECIPES) + 1)
 def resume(
     run_id: str,
     /,
@@ -139,7 +163,7 @@ def resume(
     take_over: Flag = False,
     fresh_optimizer: Flag = False,
 ) -> int:
-    """Resume a run (GRPO or DPO) from its persisted batches.
+    """Resume a run (of any algorithm) from its persisted batches.
 
     Args:
         run_id: the run to resume
@@ -157,45 +181,29 @@ def resume(
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.config.preflight import preflight
-    from flows.config.resolve import resolve_config
-    from flows.run.start import plan_start
-    from nrl_tasks.run_layout import RunLayout, validate_run_id
-
     overrides_, recompute = list(overrides), list(recompute or [])
     try:
         run_id = validate_run_id(run_id)
-        cfg = resolve_config(None, overrides_, storage, run_id=run_id)
+        recipe = recipe_of(saved_config_data(run_id, check_storage_root(storage, create=False)))  # the run's kind
+        cfg = resolve_config(None, overrides_, storage, run_id=run_id, recipe=recipe)
         layout = RunLayout(cfg.storage.root, run_id)
         opts = cfg.storage.storage_options or None
         # the flow's own resume entry, as a dry run: refused items and damaged batches, the plan
-        start = plan_start(cfg, layout, algorithm="dpo" if cfg.dpo is not None else "grpo", resume=True, recompute=recompute,
-                           fresh_optimizer=fresh_optimizer)
-        preflight(cfg, layout)
+        start = plan_start(cfg, layout, recipe=recipe, resume=True, recompute=recompute, fresh_optimizer=fresh_optimizer)
+        preflight(cfg, layout, check_data=recipe.check_data)
     except ValueError as exc:
         return _error(str(exc))
-    from flows.run.lease import resume_refusal
-    from flows.run.process import describe_status
-    from flows.run.state import read_status
-
     refused = None if take_over else resume_refusal(layout, opts)  # one writer per run: before anything starts
     if refused is not None:
         return _error(refused)
     state = describe_status(read_status(layout, opts) or {})
     print(f"nrl: resuming run {run_id} ({state}) at {layout.run_uri}", flush=True)
     print(f"nrl: plan: {start.describe()}", flush=True)
-    kwargs = {"config": None, "run_id": run_id, "resume": True, "overrides": overrides_, "storage": cfg.storage.root,
-              "take_over": take_over}
-    if cfg.dpo is not None:
-        from flows.algorithms.dpo import dpo as dpo_flow
-
-        return run_flow(lambda: dpo_flow(**kwargs, fresh_optimizer=fresh_optimizer), layout)
-    from flows.algorithms.grpo import grpo as grpo_flow
-
-    return run_flow(lambda: grpo_flow(**kwargs, recompute=recompute or None, fresh_optimizer=fresh_optimizer), layout)
+    return run_flow(lambda: recipe.run(config=None, run_id=run_id, resume=True, overrides=overrides_, storage=cfg.storage.root,
+                                       take_over=take_over, recompute=recompute or None, fresh_optimizer=fresh_optimizer), layout)
 
 
-@app.command(name="eval", sort_key=3)
+@app.command(name="eval", sort_key=len(RECIPES) + 2)
 def eval_(
     target: str, /, *, storage: str = "./runs", dataset: str | None = None, num_samples: int = 4, max_prompts: int | None = None
 ) -> int:
@@ -248,7 +256,7 @@ def eval_(
     return 0
 
 
-@app.command(sort_key=4)
+@app.command(sort_key=len(RECIPES) + 3)
 def runs(*, storage: str = "./runs") -> int:
     """List runs under a storage root with their last step and status.
 
@@ -291,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_env()
     tokens = list(sys.argv[1:] if argv is None else argv)
     if not tokens:
-        return _error("a command is required: grpo, dpo, resume, eval or runs (see `nrl --help`)")
+        return _error(f"a command is required: {', '.join(RECIPES)}, train, resume, eval or runs (see `nrl --help`)")
     if tokens and tokens[0] in _OVERRIDE_COMMANDS and {"-h", "--help"} & set(tokens):
         app[tokens[0]].help_epilogue = _config_sections()  # imported only for this help
     else:

@@ -97,12 +97,9 @@ def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
 
 def print_summary(result: dict, seconds: float) -> None:
     """The finished run: steps, last metrics, where its metrics, steps and checkpoints are."""
-    fm = result.get("final_metrics") or {}
     print(f"nrl: run {result['run_id']} finished {result['last_step']} steps in {seconds:.0f} s", flush=True)
-    if fm and "rewards_margin_mean" in fm:  # a DPO run
-        print(f"nrl:   last step loss {fm.get('loss')}  accuracy {fm.get('accuracy')}  margin {fm.get('rewards_margin_mean')}")
-    elif fm:
-        print(f"nrl:   last step reward_mean {fm.get('reward_mean')}  loss {fm.get('loss')}")
+    if result.get("final_line"):  # the last step's line, as its algorithm writes it
+        print(f"nrl:   last step    {result['final_line']}")
     print(f"nrl:   metrics      {result['metrics_uri']}")
     print(f"nrl:   steps        {result['run_uri']}/steps/")
     for c in result.get("checkpoints", [])[-3:]:

@@ -1,158 +1,172 @@
 """``nrl dpo``: Direct Preference Optimization on preference pairs, as a Prefect flow.
 
-A config with a ``dpo`` section (:mod:`nrl_tasks.config.dpo`) is a DPO run. Each step::
+A config with a ``dpo`` section (:mod:`nrl_tasks.config.dpo`) is a DPO run. Each step
+(:mod:`nrl_tasks.stages.dpo`)::
 
-    pairs = preference_pairs(ctx)                  # nrl_tasks.stages.dpo
-    reference = reference_logprobs(ctx, pairs)
-    trained = dpo_train(ctx, pairs, reference)
-    checkpoint(ctx, trained)                       # every checkpointing.save_period steps, and the last
+    pairs = preference_pairs(ctx)                  # the recipe's inputs: the step's pairs, tokenised
+    reference = reference_logprobs(ctx, pairs)     # the recipe's update: the frozen reference's logprobs,
+    trained = dpo_train(ctx, pairs, reference)     #   then one optimizer step (DPOLossFn)
+    checkpoint(ctx, trained)                       # every algorithm's end of a step: checkpoint when due,
+    dpo_validate(ctx)                              #   validation every dpo.val_period steps (held-out pairs)
 
-then its ``metrics.jsonl`` line (loss, accuracy, reward margin, chosen/rejected rewards, grad
-norm, stage seconds), console line and artifacts (the metrics table, progress), as for GRPO. The
-run keeps GRPO's layout, ``config.yaml`` and hash check, lease and ``status.json``, so ``nrl runs``
-lists it and ``nrl resume`` continues it.
+The run around it is every algorithm's (:mod:`flows.algorithms.training`): the lease, status and
+history, grouped step subflows (``<run_id>-steps-0001-0010``, the flow ``dpo-steps``), the
+metrics line (loss, accuracy, reward margin, chosen/rejected rewards, grad norm, stage seconds,
+``val_loss``/``val_accuracy``/``val_rewards_margin_mean`` at validation steps), the summary with its
+plot (pair accuracy per step, held-out accuracy) and history, the trackers, retention, in-run
+recovery from actor faults (the stages on the policy are retried after the recovery restores its
+weights) and ``--recompute``.
 
-**Resume** (``resume=True``): the trained prefix ``T`` is the last step before the first one
-without a committed ``train``; the anchor is the newest checkpoint at or before ``T`` whose files
-check out (else the initial weights). The policy is created fresh, restored from the anchor, and
-steps ``anchor+1 .. T`` are replayed from their persisted ``pairs`` and ``reference``, each checked
-against its recorded weights checksum; the run then goes on at ``T + 1`` (stages whose outputs
-are committed skip). DPO draws nothing at random, so the resumed run's weights equal the
-uninterrupted run's bit for bit. Damaged datasets the resume reads are found before it starts
-(:func:`flows.run.start.plan_start`): the frozen pairs and a step's ``pairs`` and ``reference``
-are deleted and made again (the same bytes; a replayed step makes its own before its ``train``),
-a damaged ``train`` stops the resume with the file named.
-
-Left out (a GRPO run has them): in-run recovery from actor faults (an actor fault fails the
-run; resume continues it), retention, validation.
+**Resume**: the trained prefix ``T`` is the last step before the first one without a committed
+``train``; the anchor is the newest checkpoint at or before ``T`` whose files check out (else the
+initial weights). The policy is restored from the anchor and steps ``anchor+1 .. T`` are replayed
+from their persisted ``pairs`` and ``reference`` (:func:`nrl_tasks.stages.dpo.dpo_update`), each
+checked against its recorded weights checksum. DPO draws nothing at random, so the resumed run's
+weights equal the uninterrupted run's bit for bit. Damaged datasets the resume reads are deleted
+and made again (the same bytes); a damaged ``train`` stops the resume with the file named.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, metrics_table
+import storage
+from flows.algorithms import supervised
+from flows.algorithms.training import flow_run_namer, train_run
 from flows.config import MasterConfig
-from flows.config.resolve import new_run_id, resolve_config
-from flows.observe.metrics import read_metrics, upsert_metrics
-from flows.observe.quiet_logs import quiet_lifecycle_logs
-from flows.run.session import RunIntent, RunSession, run_session, tag_this_flow_run
-from flows.observe.summary import metrics_window
-from flows.run.runtime import recreate_policy
-from nrl_tasks.run_layout import validate_run_id
-from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.resume_plan import RunFacts
+from flows.observe.summary import SummaryFields
+from flows.run.recipe import Actors, Retries
+from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.context import RunContext, StepContext
+from nrl_tasks.stages.dpo import DPO_GRAPH, dpo_train, dpo_update, dpo_validate, preference_pairs, reference_logprobs
+from nrl_tasks.stages.preferences import snapshot_preferences, snapshot_repair, snapshot_uri, source_preferences
+from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
+from nrl_tasks.stages.schedule import StepSchedule
 
-__all__ = ["dpo", "dpo_metrics_line", "restore_dpo_run"]
+__all__ = ["DPO", "DPORecipe", "TRAIN_KEYS", "dpo"]
 
 #: ``train`` figures in the metrics line
 TRAIN_KEYS = ("loss", "accuracy", "rewards_margin_mean", "rewards_chosen_mean", "rewards_rejected_mean",
               "preference_loss", "sft_loss", "grad_norm", "train_seconds")
 
 
-def _flow_run_name() -> str:
-    from prefect.runtime import flow_run
+class DPORecipe:
+    """DPO as a recipe (see the module docstring)."""
 
-    return f"dpo-{(flow_run.parameters or {}).get('run_id') or 'new'}"
+    kind = "dpo"
+    section = "dpo"
+    graph = DPO_GRAPH
+    actors = Actors()
+    unread_sections = ("grpo", "loss_fn", "sft")
+    summary = SummaryFields(curve="accuracy", curve_label="pair accuracy", eval_metric="val_accuracy",
+                            eval_label="held-out pair accuracy")
+
+    def budget(self, cfg: MasterConfig) -> int:
+        return cfg.dpo.max_num_steps
+
+    def validation_due(self, cfg: MasterConfig, step: int) -> bool:
+        return supervised.validation_due(cfg.dpo, step)
+
+    def retries(self, cfg: MasterConfig) -> Retries:
+        return supervised.DEFAULT_RETRIES
+
+    def schedule(self, cfg: MasterConfig) -> StepSchedule:
+        return supervised.schedule(cfg.dpo.max_num_steps)
+
+    def facts_options(self, cfg: MasterConfig) -> dict[str, Any]:
+        return supervised.facts_options(DPO_GRAPH, cfg.dpo.max_num_steps)
+
+    def check_recompute(self, specs: Sequence[tuple[str, int]], cfg: MasterConfig) -> None:
+        return None
+
+    def check_config(self, cfg: MasterConfig) -> list[str]:
+        if cfg.dpo is not None and cfg.dpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
+            return [f"dpo.val_period = {cfg.dpo.val_period} needs held-out pairs: set data.val_path (a preference file)"]
+        return []
+
+    def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
+        """The pairs a run would freeze read (a resume reads its frozen copy: not checked again)."""
+        opts = cfg.storage.storage_options or None
+        splits = ["train"] + (["val"] if cfg.dpo.val_period else [])
+        for split in splits:
+            if layout is not None and supervised_snapshot_committed(layout, split, opts):
+                continue
+            try:
+                source_preferences(cfg, opts, split)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{f'data.{split}_path' if cfg.data.dataset == 'file' else 'data.arithmetic'}: {exc}") from None
+
+    def prepare(self, layout: RunLayout, cfg: MasterConfig, tokenizer: Any) -> dict[str, list[dict[str, str]]]:
+        opts = cfg.storage.storage_options or None
+        out = {"preferences": snapshot_preferences(layout, cfg, opts)}
+        if cfg.dpo.val_period:
+            out["preferences_val"] = snapshot_preferences(layout, cfg, opts, "val")
+        return out
+
+    def repairs(self, cfg: MasterConfig, layout: RunLayout, window: tuple[int, int], skip: Sequence[tuple[int, str]]) -> tuple[str, ...]:
+        snapshot = snapshot_repair(layout, cfg, cfg.storage.storage_options or None)
+        return supervised.repairs(layout, cfg, DPO_GRAPH, window, skip, snapshot)
+
+    def inputs(self, ctx: StepContext, version: int, *, overlap: bool = False) -> dict[str, Any]:
+        return {"pairs": preference_pairs(quote(ctx))}
+
+    def submit_inputs(self, ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
+        return self.inputs(ctx, version)
+
+    def update(self, ctx: StepContext, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        c, pairs = quote(ctx), inputs["pairs"]
+        reference = reference_logprobs(c, pairs)
+        return {"pairs": pairs, "reference": reference, "train": dpo_train(c, pairs, reference)}
+
+    def recompute(self, run: RunContext, step: int, generation_version: int) -> None:
+        c = quote(run.step(step))
+        reference_logprobs(c, preference_pairs(c))
+
+    def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
+        return dpo_update(run, batches)
+
+    def validate(self, ctx: StepContext, refit: ActionResult | None) -> DatasetRef:
+        return dpo_validate(quote(ctx))
+
+    def metrics_line(self, ctx: StepContext, refs: StepRefs, wall_seconds: float | None) -> dict[str, Any]:
+        return supervised.metrics_line(ctx, refs, wall_seconds, DPO_GRAPH, TRAIN_KEYS)
+
+    def rebuild_line(self, layout: RunLayout, step: int, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+        return supervised.rebuild_line(layout, step, storage_options, DPO_GRAPH, TRAIN_KEYS)
+
+    def console_line(self, run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
+        return supervised.console_line(run_id, "dpo", row, max_steps, (
+            ("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f")))
+
+    def run(self, **params: Any) -> dict[str, Any]:
+        """A run of this recipe: its Prefect flow :func:`dpo` called with ``params``."""
+        return dpo(**params)
+
+    def publish_extra(self, ctx: StepContext, refs: StepRefs) -> list[tuple[str, str]]:
+        return []
 
 
-def dpo_metrics_line(step: int, refs: dict[str, Any], checkpoint: Any, wall_s: float) -> dict[str, Any]:
-    """The ``metrics.jsonl`` line of DPO step ``step`` from its stage references."""
-    train = refs["train"]
-    row: dict[str, Any] = {"step": step, "weights_version": step, **{k: train.get(k) for k in TRAIN_KEYS}}
-    row["pairs_s"], row["reference_s"], row["train_s"] = (refs[d].seconds for d in ("pairs", "reference", "train"))
-    row["train_attempts"] = train.attempts
-    if checkpoint is not None and not checkpoint.skipped:
-        row["checkpoint_s"] = checkpoint.seconds
-    row["step_s"] = wall_s
-    return row
+def supervised_snapshot_committed(layout: RunLayout, split: str, opts: dict[str, Any] | None) -> bool:
+    """Whether the run's frozen pairs of ``split`` are committed (a resume reads them, not the source)."""
+    return storage.is_committed(snapshot_uri(layout, split), **({"storage_options": opts} if opts else {}))
 
 
-def restore_dpo_run(run: RunContext, facts: RunFacts | None, log: Any) -> dict[str, Any]:
-    """Bring the fresh policy to the run's trained prefix (see the module docstring), from the
-    run's facts as the resume entry read them (:mod:`flows.run.start`; ``None``: a new run):
-    ``{"last": T, "restored_from": checkpoint URI or "initial", "replayed": [steps]}``."""
-    from nrl_tasks.stages.checkpoint import restore_checkpoint
-    from nrl_tasks.stages.dpo import replay_dpo_train
-
-    layout, opts = run.layout, run.storage_options
-    # dpo.max_num_steps is in the config hash, so the trained prefix never lies beyond it
-    anchor, last = (facts.anchor, facts.last_trained) if facts is not None else (0, 0)
-    if anchor:
-        restore_checkpoint(run.policy, layout.checkpoint_uri(anchor), opts, verify=False)
-    replayed = list(range(anchor + 1, last + 1))
-    for step in replayed:
-        _make_inputs(run, step)
-        replay_dpo_train(run, step)
-    restored = layout.checkpoint_uri(anchor) if anchor else "initial"
-    if last:
-        log.info("resumed at trained step %d: restored %s, replayed %s", last, restored, replayed or "nothing")
-    return {"last": last, "restored_from": restored, "replayed": replayed}
+#: DPO's recipe
+DPO = DPORecipe()
 
 
-def _make_inputs(run: RunContext, step: int) -> None:
-    """Make trained step ``step``'s ``pairs`` and ``reference`` again when they are not committed
-    (deleted as damaged by the resume entry): its stages, which skip what is committed."""
-    import storage
-
-    from nrl_tasks.stages.dpo import preference_pairs, reference_logprobs
-
-    if all(storage.is_committed(run.layout.stage_uri(step, d), **run.storage_kw) for d in ("pairs", "reference")):
-        return
-    c = quote(run.step(step))
-    reference_logprobs(c, preference_pairs(c))
-
-
-def _run_steps(run: RunContext, session: RunSession, log: Any) -> dict[str, Any]:
-    from nrl_tasks.stages.checkpoint import checkpoint
-    from nrl_tasks.stages.dpo import dpo_train, preference_pairs, reference_logprobs
-
-    cfg, layout, opts = run.cfg, run.layout, run.storage_options
-    total, period = cfg.dpo.max_num_steps, cfg.checkpointing.save_period
-    restored = restore_dpo_run(run, session.start.facts, log)
-    last = restored["last"]
-    publisher, artifacts = BackgroundPublisher(), RunArtifacts(run.run_id, algorithm="DPO")  # updated in place
-    have_lines = {int(r["step"]) for r in read_metrics(layout.metrics_uri, opts)}
-    try:
-        for step in range(max(1, last), total + 1):
-            session.fence()
-            t0, c = time.perf_counter(), quote(run.step(step))
-            pairs = preference_pairs(c)
-            reference = reference_logprobs(c, pairs)
-            trained = dpo_train(c, pairs, reference)
-            due = cfg.checkpointing.enabled and (step % period == 0 or step == total)
-            ck = checkpoint(c, trained, session.config_hash) if due else None
-            if step > last or step not in have_lines:  # the last trained step's line may be missing
-                row = dpo_metrics_line(step, {"pairs": pairs, "reference": reference, "train": trained}, ck,
-                                       time.perf_counter() - t0)
-                if session.start.optimizer_reset is not None and step == last + 1:  # the first step trained fresh
-                    row["optimizer_reset"] = True
-                rows = upsert_metrics(layout.metrics_uri, row, opts)
-                line = (f"[{run.run_id}] dpo step {step}/{total} loss {row['loss']:.4f} accuracy {row['accuracy']:.3f} "
-                        f"margin {row['rewards_margin_mean']:.4f} | step {row['step_s']:.2f}s")
-                log.info(line)
-                if cfg.logger.console:
-                    print(line, flush=True)
-                if cfg.logger.artifacts:
-                    if due or step == total:  # bounded: the newest lines, at checkpoints and the end
-                        publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
-                    publisher.submit(artifacts.progress.update, step, total)
-    finally:
-        publisher.close()
-    return {"first_step": last + 1, "restored": {k: v for k, v in restored.items() if k != "last"}}
-
-
-@flow(name="dpo", flow_run_name=_flow_run_name, validate_parameters=False, persist_result=False)
+@flow(name="dpo", flow_run_name=flow_run_namer("dpo"), validate_parameters=False, persist_result=False)
 def dpo(
     config: str | dict | MasterConfig | None = None,
     run_id: str | None = None,
     resume: bool = False,
     overrides: list[str] | None = None,
     storage: str | None = None,
+    recompute: list[str] | None = None,
     take_over: bool = False,
     fresh_optimizer: bool = False,
 ) -> dict[str, Any]:
@@ -163,34 +177,5 @@ def dpo(
     ``fresh_optimizer``: with ``resume``, restore a checkpoint saved without optimizer state
     (``checkpointing.save_optimizer: false``; refused otherwise) and train on with a fresh
     optimizer, recorded as ``optimizer_reset`` in ``status.json`` and the metrics line."""
-    from nrl_tasks.stages.checkpoint import list_checkpoints
-    from nrl_tasks.stages.preferences import snapshot_preferences
-    from storage import delete_batch  # (``storage`` is this flow's parameter)
-
-    log = get_run_logger()
-    given = run_id
-    run_id = validate_run_id(run_id) if run_id else new_run_id("dpo")
-    tag_this_flow_run(run_id)  # before the config is read: a flow run refused for its config is tagged too
-    cfg = resolve_config(config, overrides, storage, run_id=given if resume else None, algorithm="dpo")
-    if cfg.dpo is None:
-        raise ValueError("the config has no `dpo` section: it is a GRPO config (nrl grpo), or add `dpo:` for a DPO run")
-    intent = RunIntent(resume=resume, take_over=take_over, fresh_optimizer=fresh_optimizer)
-    with run_session(cfg, run_id, algorithm="dpo", intent=intent, log=log) as session:
-        layout, opts = session.layout, session.storage_options
-        for uri in session.start.rebuild:  # damaged, made again below and by the steps (the same bytes)
-            delete_batch(uri, **({"storage_options": opts} if opts else {}))
-            log.warning("deleted damaged %s: it is made again", uri)
-        pairs = snapshot_preferences(layout, cfg, opts)  # a bad preference file fails here, before Ray
-        with session.running(max_steps=cfg.dpo.max_num_steps):
-            log.info("dpo run %s at %s (config hash %s, %d pairs, resume=%s)", run_id, layout.run_uri,
-                     session.config_hash, len(pairs), resume)
-            rt = session.start_runtime(with_actors=False)
-            if rt.start_policy():  # the weights come from the checkpoint and the replay, never from a live actor
-                recreate_policy(rt, "a DPO run restores its policy from its checkpoint and persisted batches", log)
-            with quiet_lifecycle_logs(cfg.logger.log_level):
-                info = _run_steps(session.context(records={"preferences": pairs}), session, log)
-            session.finish(restored=info["restored"])
-    rows = read_metrics(layout.metrics_uri, opts)
-    return {"run_id": run_id, "run_uri": layout.run_uri, "metrics_uri": layout.metrics_uri, "last_step": cfg.dpo.max_num_steps,
-            "checkpoints": [u for _, u in list_checkpoints(layout.checkpoints_uri, opts)],
-            "final_metrics": rows[-1] if rows else None, **info}
+    return train_run(DPO, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
+                     recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer)

@@ -1,21 +1,24 @@
-"""The step driver: one loop that runs a run's :class:`~nrl_tasks.stages.schedule.StepSchedule`,
-synchronous GRPO (the schedule with age 0) and async GRPO alike, through actor faults.
+"""The step driver: one loop that runs a run's :class:`~nrl_tasks.stages.schedule.StepSchedule`
+through actor faults, for every algorithm (its recipe, :class:`flows.run.recipe.Recipe`), at age 0
+and in async GRPO alike.
 
-Both modes run the same two lanes (:mod:`flows.algorithms.lanes`); what differs is how the
+Every step is the recipe's stages, then the one end of a step (:func:`flows.algorithms.step.finish_step`:
+the checkpoint beside the refit, validation). What differs between the modes is how the
 schedule's phases are grouped into units of work:
 
-- **age 0** (``grpo.async_grpo.enabled: false``): every step's phases (``gen k @v(k-1)``,
-  ``train k``, ``refit vk``) form one unit (:func:`flows.algorithms.step.grpo_step`'s body: the
-  generation lane inline, the policy lane, refit, validation when due), published when done.
-  Consecutive steps run grouped in one Prefect subflow (``segment_unit``,
-  :func:`flows.algorithms.step.grpo_steps`: ``<run_id>-steps-0001-0010``, steps on a fixed grid
-  of ``steps_per_segment``), or each step as its own subflow (``<run_id>-step-0007``), or inline.
-  The subflow is what the UI shows and what a fault retries: after a fault in step 3 of
-  ``…-steps-0001-0010`` the run goes on with ``…-steps-0003-0010-retry1``.
-- **age a > 0** (``grpo.async_grpo``): the phases run in the run's flow, the generation lane of
-  later steps submitted as concurrent Prefect tasks (:class:`~flows.algorithms.lanes.GenerationLane`)
-  while the policy lane runs in the flow's thread, and the refit of version ``k`` between
-  ``train(k)`` and ``train(k+1)`` when both lanes are free::
+- **age 0** (every algorithm; GRPO with ``grpo.async_grpo.enabled: false``): every step's phases
+  (``gen k @v(k-1)``, ``train k``, ``refit vk``) form one unit
+  (:func:`flows.algorithms.step.run_step_body`), published when done. Consecutive steps run
+  grouped in one Prefect subflow (``<run_id>-steps-0001-0010``, the flow ``<kind>-steps``, steps
+  on a fixed grid of ``logger.steps_per_subflow``), or each step as its own subflow
+  (``<run_id>-step-0007``), or inline (``logger.step_subflows: false``). The subflow is what the
+  UI shows and what a fault retries: after a fault in step 3 of ``…-steps-0001-0010`` the run
+  goes on with ``…-steps-0003-0010-retry1``.
+- **age a > 0** (``grpo.async_grpo``): the phases run in the run's flow, the inputs of later
+  steps (GRPO's generation lane) submitted as concurrent Prefect tasks (:class:`InputLane`) while
+  the policy's stages run in the flow's thread, and the refit of version ``k`` right after
+  ``train(k)`` when a later generation needs ``k`` or validation is due, once every generation
+  on an older version is done::
 
     rollouts_2 = generate.submit(ctx2, prompts_2, 0)         # generation workers, version 0
     trained_1  = train(ctx1, rollouts_1, logprobs_1, adv_1)  # policy workers, at the same time
@@ -23,17 +26,15 @@ schedule's phases are grouped into units of work:
 
   Every generation runs on its scheduled version exactly (``generate`` refuses another), so the
   rollouts of a step do not depend on timing; the Prefect run graph shows the overlap with its
-  data edges. **Validation** (``grpo.val_period``): after ``train(k)`` the generation workers are
-  refitted to ``k`` (the scheduled refit, or an extra one for the last steps of the run, whose
-  versions no generation needs) and ``validate`` runs on them.
+  data edges.
 
 **Faults and resumes**, the same in both modes: when a stage fails on an actor fault, the driver
 lets every submitted generation finish, recovers (:func:`flows.run.recovery.recover_after`: the
 resume plan knows the schedule, so a step whose rollouts are missing is generated on its own
 version) and runs the schedule again from the run's trained prefix; committed stages skip and a
-finished step is not published twice. The retries are ``grpo.stage_retries`` /
-``grpo.refit.retries`` per step and stage. A resumed run starts the same way: its last trained
-step runs once more (what it had not finished, refit, validation, metrics line, is done).
+finished step is not published twice. The retries are the recipe's, per step and stage. A
+resumed run starts the same way: its last trained step runs once more (what it had not finished,
+refit, validation, metrics line, is done).
 
 After each step the driver hands its references to ``publish`` (the metrics line, artifacts,
 trackers) and calls ``after_step`` (retention); ``fence()`` runs before each step's train and
@@ -47,22 +48,72 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from prefect import get_run_logger
+from prefect.exceptions import UnfinishedRun
+from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
-from flows.algorithms.lanes import GenerationLane, policy_lane
-from flows.algorithms.step import StepPlan, StepRefs, StepSegment, publish_step
+from flows.algorithms.step import (
+    StepPlan, StepSegment, finish_step, publish_step, run_step_body, step_flows, steps_per_subflow,
+)
+from flows.run.recipe import Recipe
 from flows.run.recovery import RetryBudget, recover_after
-from nrl_tasks.stages.context import RunContext, StepContext
-from nrl_tasks.stages.evaluate import validate
-from nrl_tasks.stages.refit import refit
-from nrl_tasks.stages.schedule import Event, StepSchedule
+from nrl_tasks.stages.context import RunContext
+from nrl_tasks.stages.refs import StepRefs
+from nrl_tasks.stages.schedule import Event
 
-__all__ = ["StepDriver"]
+__all__ = ["InputLane", "StepDriver"]
 
 #: ``step_unit(quoted step context, plan) -> StepRefs``: a synchronous step's whole unit of work
 StepUnit = Callable[[Any, StepPlan], StepRefs]
 #: ``segment_unit(segment, run_one)``: runs ``run_one(step)`` for the segment's steps (a subflow)
 SegmentUnit = Callable[[StepSegment, Callable[[int], None]], None]
+
+
+class InputLane:
+    """The inputs of later steps (GRPO's generation lane) submitted as concurrent Prefect tasks,
+    in step order (each waits for the one before: one set of generation workers), for the
+    driver's async schedule: ``{step: {dataset: future or reference}}``."""
+
+    def __init__(self, run: RunContext, recipe: Recipe) -> None:
+        self.run, self.recipe = run, recipe
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.futures: list[PrefectFuture] = []
+
+    def submit(self, events: list[Event]) -> None:
+        for e in events:
+            after = self.futures[-1] if self.futures else None
+            out = self.recipe.submit_inputs(self.run.step(e.step), e.version, after)
+            self.pending[e.step] = out
+            self.futures += [v for v in out.values() if isinstance(v, PrefectFuture)]
+
+    def take(self, step: int, version: int) -> dict[str, Any]:
+        """The step's inputs (its stages inline when not submitted: a step trained before the
+        resume, whose datasets are committed and skip)."""
+        if step in self.pending:
+            return {k: v.result() if isinstance(v, PrefectFuture) else v for k, v in self.pending.pop(step).items()}
+        return self.recipe.inputs(self.run.step(step), version)
+
+    def settle(self) -> None:
+        """Wait until every submitted task has finished (failed or not)."""
+        for f in self.futures:
+            f.wait()
+
+    def first_error(self) -> BaseException | None:
+        """The exception of the first failed submitted task (the later ones did not run)."""
+        for f in self.futures:
+            if f.state.is_failed():
+                err = f.state.result(raise_on_failure=False)
+                if isinstance(err, BaseException):
+                    return err
+        return None
+
+    def settled(self) -> None:
+        """:meth:`settle`, then raise the first submitted task's error (recovery comes before the
+        workers that failed are refitted)."""
+        self.settle()
+        err = self.first_error()
+        if err is not None:
+            raise err
 
 
 class StepDriver:
@@ -71,26 +122,23 @@ class StepDriver:
     def __init__(
         self,
         run: RunContext,
+        recipe: Recipe,
         plan_for: Callable[[int], StepPlan],
         *,
-        step_unit: StepUnit,
         budget: RetryBudget,
         fence: Callable[[], None] | None = None,
-        publish: Callable[..., Any] = publish_step,
+        publish: Callable[..., Any] | None = None,
         after_step: Callable[[int], None] | None = None,
-        segment_unit: SegmentUnit | None = None,
-        steps_per_segment: int = 1,
     ) -> None:
         self.run = run
-        self.schedule = StepSchedule.from_config(run.cfg)
+        self.recipe = recipe
+        self.schedule = recipe.schedule(run.cfg)
         self.plan_for = plan_for
-        self.step_unit = step_unit
         self.budget = budget
         self.fence = fence
-        self.publish = publish
+        self.publish = publish or (lambda ctx, refs, plan, **kw: publish_step(ctx, refs, plan, recipe, **kw))
         self.after_step = after_step
-        self.segment_unit = segment_unit
-        self.steps_per_segment = max(1, steps_per_segment)
+        self.step_unit, self.segment_unit, self.steps_per_segment = self._units()
         self.log: Any = None  # the run flow run's logger (set when the steps run)
         self.finished: set[int] = set()  # published in this flow process
         self.started: dict[int, float] = {}  # step -> when its first attempt began
@@ -98,63 +146,63 @@ class StepDriver:
         self.attempts: dict[int, int] = {}  # step -> its runs (age 0, a subflow a step: the retry suffix)
         self.segment_attempts: dict[int, int] = {}  # grid cell -> its subflow runs (the retry suffix)
         self.current = 1  # the step being run (what a fault outside any stage is charged to)
+        #: versions a scheduled refit sends (async: the versions a later generation needs)
+        self.refits = {e.version for e in self.schedule.events() if e.refits}
+
+    def _units(self) -> tuple[StepUnit, SegmentUnit | None, int]:
+        """How synchronous steps run (``logger.step_subflows``, ``logger.steps_per_subflow``):
+        grouped in subflows (the default: at most :data:`~flows.algorithms.step.SUBFLOWS_PER_FLOW_RUN`
+        a flow run), one subflow a step, or inline in the run's flow run."""
+        one, segment = step_flows(self.recipe)
+        lg = self.run.cfg.logger
+
+        def inline(ctx: Any, plan: StepPlan) -> StepRefs:  # the body in the run's flow run
+            return run_step_body(self.recipe, ctx.unquote() if hasattr(ctx, "unquote") else ctx, plan)
+
+        if not lg.step_subflows:
+            return inline, None, 1
+        k = steps_per_subflow(lg.steps_per_subflow, self.schedule.max_steps)
+        return (one, None, 1) if k == 1 else (inline, segment, k)
 
     def run_from(self, trained: int) -> dict[int, float]:
         """Run steps ``trained`` (once more: its committed stages skip) to the last, recovering
         after each actor fault; the wall seconds of each step run."""
         log = self.log = get_run_logger()
         if self.schedule.lookahead:
-            log.info("async GRPO schedule (age %d):\n%s", self.schedule.lookahead, self.schedule.timeline())
+            log.info("async schedule (age %d):\n%s", self.schedule.lookahead, self.schedule.timeline())
         held = trained  # the generation workers hold the trained prefix
         while True:
-            lane = GenerationLane(self.run)
+            lane = InputLane(self.run, self.recipe)
             try:
-                self._run_phases(lane, max(1, held), held)
+                self._run_phases(lane, max(1, held))
                 return self.walls
             except BaseException as exc:
                 lane.settle()  # recovery refits the generation workers: nothing may be generating
-                err = lane.first_error() if _unfinished(exc) else None
+                err = lane.first_error() if isinstance(exc, UnfinishedRun) else None  # the cause is upstream
                 step = self.run.last_failure[0] if self.run.last_failure else self.current
-                held = recover_after(self.run, err or exc, self.budget, step=step, max_step=self.schedule.max_steps, log=log)
+                held = recover_after(self.run, self.recipe, err or exc, self.budget, step=step,
+                                     max_step=self.schedule.max_steps, log=log)
 
     # ------------------------------------------------------------------------------------------
 
-    def _run_phases(self, lane: GenerationLane, start: int, held: int) -> None:
-        """The schedule's phases from train ``start`` on, the generation workers holding ``held``
-        (steps before ``start`` are trained, their generations done)."""
-        trained: dict[int, Any] = {}
+    def _run_phases(self, lane: InputLane, start: int) -> None:
+        """The schedule's phases from train ``start`` on (steps before ``start`` are trained,
+        their generations done)."""
         for phase in self.schedule.phases():
-            todo = [e for e in phase if e.kind == "train" and e.step >= start and e.step not in self.finished]
+            todo = [e for e in phase if e.trains and e.step >= start and e.step not in self.finished]
             if not self.schedule.lookahead:  # age 0: the phases of a step are one unit
                 for e in todo:
                     self._sync(e.step)
                 continue
-            gens = [e for e in phase if e.kind == "generate" and e.step >= start]
+            gens = [e for e in phase if e.generates and e.step >= start]
             if gens:
                 lane.submit(gens)
-            val_due: list[tuple[StepContext, dict[str, Any], Any, StepPlan, float]] = []
             for e in todo:
                 ctx, plan, t0 = self._begin(e.step)
-                datasets, ck = policy_lane(ctx, lane.take(e.step, self.schedule.generation_version(e.step)), plan)
-                trained[e.step] = datasets["train"]
-                if plan.validate:
-                    val_due.append((ctx, datasets, ck, plan, t0))
-                    continue
-                self._finish(ctx, StepRefs(e.step, datasets, checkpoint=ck), plan, t0)
-            refits = [e for e in phase if e.kind == "refit" and e.version > held]
-            if val_due and not refits:  # the last steps: no generation needs their version
-                refits = [Event("refit", v[0].step, v[0].step) for v in val_due]
-            if refits:
-                lane.settle()  # every generation on an older version is done first
-                err = lane.first_error()
-                if err is not None:  # a generation failed: recover before refitting its workers
-                    raise err
-                for e in refits:
-                    result = refit(quote(self.run.step(e.step)), trained.get(e.step), e.version)
-                    held = e.version
-                    for ctx, datasets, ck, plan, t0 in (v for v in val_due if v[0].step == e.version):
-                        val = validate(quote(ctx), result, ctx.step)
-                        self._finish(ctx, StepRefs(ctx.step, datasets, refit=result, checkpoint=ck, val=val), plan, t0)
+                datasets = self.recipe.update(ctx, lane.take(e.step, self.schedule.generation_version(e.step)))
+                refit = self.recipe.actors.generation and (e.step in self.refits or plan.validate)
+                refs = finish_step(self.recipe, ctx, datasets, plan, refit=refit, before_refit=lane.settled)
+                self._finish(ctx, refs, plan, t0)
 
     def _sync(self, step: int) -> None:
         """Age 0: step ``step``, in its segment's subflow when steps are grouped (the segment runs
@@ -177,14 +225,14 @@ class StepDriver:
         attempt = self.attempts[step] = self.attempts.get(step, 0) + 1
         self._finish(ctx, self.step_unit(quote(ctx), replace(plan, attempt=attempt)), plan, t0)
 
-    def _begin(self, step: int) -> tuple[StepContext, StepPlan, float]:
+    def _begin(self, step: int) -> tuple[Any, StepPlan, float]:
         """The start of a step's work: the fence, then its context, plan and start time."""
         if self.fence is not None:
             self.fence()
         self.current = step
         return self.run.step(step), self.plan_for(step), self.started.setdefault(step, time.perf_counter())
 
-    def _finish(self, ctx: StepContext, refs: StepRefs, plan: StepPlan, t0: float) -> None:
+    def _finish(self, ctx: Any, refs: StepRefs, plan: StepPlan, t0: float) -> None:
         """The step's metrics line, artifacts and retention, once."""
         wall = time.perf_counter() - t0
         if self.fence is not None:  # a fenced writer writes no metrics line either
@@ -195,10 +243,3 @@ class StepDriver:
             self.after_step(refs.step)
         self.finished.add(refs.step)
         self.walls[refs.step] = wall
-
-
-def _unfinished(exc: BaseException) -> bool:
-    """A future whose upstream failed (``wait_for``) raises ``UnfinishedRun``: the cause is upstream."""
-    from prefect.exceptions import UnfinishedRun
-
-    return isinstance(exc, UnfinishedRun)

@@ -1,20 +1,20 @@
-"""The two lanes of a GRPO step, each defined once; every driver calls them.
+"""The two lanes of a GRPO step, each defined once; every driver calls them through GRPO's recipe.
 
 ::
 
     generation lane   prompts -> generate -> score            on the generation workers, weights version v
                       (grpo.use_dynamic_sampling: generation batches until enough groups have
                        reward variance, then the step's prompts, rollouts and rewards: sampled_stages)
-    policy lane       logprob -> advantages -> train -> checkpoint when due    on the policy workers
+    policy lane       logprob -> advantages -> train          on the policy workers
 
-Between and after them the step driver (:mod:`flows.algorithms.driver`) refits the generation
-workers and validates when due. Who calls them:
+They are GRPO's ``inputs`` and ``update`` (:mod:`flows.algorithms.grpo`); after them every
+algorithm's step ends the same way (:func:`flows.algorithms.step.finish_step`: checkpoint beside
+the refit, validation). Who calls them:
 
-- synchronous GRPO, one Prefect subflow per step (:func:`flows.algorithms.step.grpo_step`, the
-  driver's unit at age 0): the generation lane inline on version ``step - 1``, then the policy
-  lane, refit, validate;
+- a step at age 0 (:func:`flows.algorithms.step.run_step_body`): the generation lane inline on
+  version ``step - 1``, ``score`` submitted beside ``logprob``, then the policy lane;
 - async GRPO (the driver at age > 0): the generation lane of later steps submitted as concurrent
-  tasks (:class:`GenerationLane`) while the policy lane runs in the flow's thread;
+  tasks (:func:`submit_generation`) while the policy lane runs in the flow's thread;
 - recovery (:mod:`flows.run.recovery`): a step generated again on its scheduled version, or a replayed
   step's missing datasets recomputed (:func:`data_stages`), before its ``train`` is replayed.
 
@@ -33,17 +33,15 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
 from nrl_tasks.stages.advantages import advantages, needs_logprobs
-from nrl_tasks.stages.checkpoint import checkpoint
-from nrl_tasks.stages.context import RunContext, StepContext
+from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.dynamic_sampling import dynamic_sampling, sampled_refs
 from nrl_tasks.stages.generate import generate, prompts
 from nrl_tasks.stages.logprob import logprob, logprob_needed
 from nrl_tasks.stages.refs import DatasetRef
-from nrl_tasks.stages.schedule import Event
 from nrl_tasks.stages.score import score
 from nrl_tasks.stages.train import train
 
-__all__ = ["GenerationLane", "beside", "data_stages", "generation_lane", "policy_inputs", "policy_lane", "sampled_stages"]
+__all__ = ["beside", "data_stages", "generation_lane", "policy_inputs", "policy_lane", "sampled_stages", "submit_generation"]
 
 T = TypeVar("T")
 
@@ -87,51 +85,17 @@ def sampled_stages(ctx: StepContext, version: int) -> dict[str, DatasetRef]:
     return dynamic_sampling(quote(ctx), ps, rs, ss)
 
 
-class GenerationLane:
-    """The generation lane of later steps submitted to the generation workers as concurrent
-    Prefect tasks, in step order (each waits for the one before: one set of workers), for the
-    driver's async schedule. ``{step: (prompts, rollouts future, rewards future)}``.
-
-    Async GRPO refuses dynamic sampling (``nrl_tasks.config.combinations``: a step's extra
-    generation batches would not be fixed by the schedule), so submitted steps generate one batch."""
-
-    def __init__(self, run: RunContext) -> None:
-        self.run = run
-        self.pending: dict[int, tuple[Any, Any, Any]] = {}
-        self.futures: list[Any] = []
-
-    def submit(self, events: list[Event]) -> None:
-        prev = self.futures[-1] if self.futures else None
-        for e in events:
-            c = quote(self.run.step(e.step))
-            p = prompts(c)  # cheap, in the flow thread: the prompts of a step are fixed by its seed
-            r = generate.submit(c, p, e.version, wait_for=[prev] if prev is not None else None)
-            s = score.submit(c, r)
-            self.pending[e.step] = (p, r, s)
-            self.futures += [r, s]
-            prev = s
-
-    def take(self, step: int, version: int) -> dict[str, Any]:
-        """The step's prompts, rollouts and rewards (the generation lane inline when not
-        submitted: a step trained before the resume, whose datasets are committed and skip)."""
-        if step in self.pending:
-            p, r, s = self.pending.pop(step)
-            return {"prompts": p, "rollouts": r.result(), "rewards": s.result()}
-        return generation_lane(self.run.step(step), version)
-
-    def settle(self) -> None:
-        """Wait until every submitted generation has finished (failed or not)."""
-        for f in self.futures:
-            f.wait()
-
-    def first_error(self) -> BaseException | None:
-        """The exception of the first failed submitted task (the later ones did not run)."""
-        for f in self.futures:
-            if f.state.is_failed():
-                err = f.state.result(raise_on_failure=False)
-                if isinstance(err, BaseException):
-                    return err
-        return None
+def submit_generation(ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
+    """The generation lane of a later step submitted (async GRPO's driver,
+    :class:`flows.algorithms.driver.InputLane`): ``prompts`` inline (cheap: fixed by the step's
+    seed), ``generate`` and ``score`` as futures, ``generate`` after ``after`` (the step before's
+    last future: one set of generation workers). Async GRPO refuses dynamic sampling
+    (``nrl_tasks.config.combinations``: a step's extra generation batches would not be fixed by
+    the schedule), so a submitted step generates one batch."""
+    c = quote(ctx)
+    p = prompts(c)
+    r = generate.submit(c, p, version, wait_for=[after] if after is not None else None)
+    return {"prompts": p, "rollouts": r, "rewards": score.submit(c, r)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,20 +126,13 @@ def beside(running: Any, work: Callable[[], T]) -> tuple[T, Any]:
     return out, running.result() if isinstance(running, PrefectFuture) else running
 
 
-def policy_lane(ctx: StepContext, gen: dict[str, Any], plan: Any, *, submit_checkpoint: bool = False) -> tuple[dict[str, Any], Any]:
+def policy_lane(ctx: StepContext, gen: dict[str, Any]) -> dict[str, Any]:
     """``logprob`` -> ``advantages`` -> ``train`` of step ``ctx.step`` (the policy holds version
-    ``step - 1``), then ``checkpoint`` when ``plan.checkpoint``: the step's datasets (``train``
-    included) and the checkpoint's reference (``None`` when not due; with ``submit_checkpoint``
-    its future, so that the caller refits while it is written: both only read the trained weights)."""
+    ``step - 1``): the step's datasets, ``train`` included. The checkpoint, refit and validation
+    that follow are every algorithm's (:func:`flows.algorithms.step.finish_step`)."""
     data = policy_inputs(ctx, gen, ctx.step - 1)
     trained = train(quote(ctx), data["rollouts"], data["logprobs"], data["advantages"])
-    if not plan.checkpoint:
-        ck = None
-    elif submit_checkpoint:
-        ck = checkpoint.submit(quote(ctx), trained, plan.config_hash)
-    else:
-        ck = checkpoint(quote(ctx), trained, plan.config_hash)
-    return {**data, "train": trained}, ck
+    return {**data, "train": trained}
 
 
 def data_stages(ctx: StepContext, weights_version: int, *, generation_version: int | None = None) -> dict[str, Any]:

@@ -1,114 +1,157 @@
-"""SFT warm start: supervised fine-tuning on (prompt, answer) pairs with ``NLLLossFn``.
+"""``nrl sft``: supervised fine-tuning on demonstrations, as a Prefect flow.
 
-``sft(config, run_id, num_steps)`` trains the configured policy on the prompt dataset's
-reference answers (completion ``" " + answer + EOS``; only completion tokens count in the loss;
-a record's multi-turn ``demonstration``, where it has one, instead: its assistant turns)
-on the same Ray-hosted ``Policy``, then saves an HF-loadable checkpoint under
-``<storage>/<run_id>/checkpoints/step_NNNNNN/weights``, which a GRPO run can start from
-(``policy.model_name=<that folder>``). Each training step is a Prefect task; the draw of step
-``k`` is deterministic (same scheme as GRPO, on a separate seed stream).
+A config with an ``sft`` section (NeMo-RL's keys: :mod:`nrl_tasks.config.sft`) is an SFT run. Each
+step (:mod:`nrl_tasks.stages.sft`)::
+
+    batch = sft_batch(ctx)              # the recipe's inputs: the step's rows, tokenised (assistant turns in the loss)
+    trained = sft_train(ctx, batch)     # the recipe's update: one optimizer step (NLLLossFn)
+    checkpoint(ctx, trained)            # every algorithm's end of a step: checkpoint when due,
+    sft_validate(ctx)                   #   held-out loss every sft.val_period steps
+
+Data: NeMo-RL's chat rows (``messages``), (prompt, answer) pairs, or the built-in task's prompts
+and reference answers (its rows drawn with ``grpo.seed``, like a GRPO run's prompts, so an SFT
+warm start trains on its GRPO run's task). The run around it is every algorithm's
+(:mod:`flows.algorithms.training`): lease, status and history, grouped subflows (the flow
+``sft-steps``), metrics line (loss, grad norm, tokens/s, ``val_loss``), summary (loss per step,
+held-out loss), trackers, retention, in-run recovery, ``--recompute`` and a bit-identical resume
+(the batches drawn again are the same bytes; a replay from the persisted ``batch`` must reproduce
+each step's recorded weights checksum). Its checkpoints' ``weights`` folders load as
+``policy.model_name`` of a later run (the post-training pipeline's next stage; GRPO's warm start,
+:mod:`flows.algorithms.warm_start`).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-from prefect import flow, get_run_logger, task
+from prefect import flow
 from prefect.utilities.annotations import quote
 
+from flows.algorithms import supervised
+from flows.algorithms.training import flow_run_namer, train_run
 from flows.config import MasterConfig
-from flows.config.resolve import new_run_id, resolve_config
-from flows.run.session import RunIntent, run_session, tag_this_flow_run
-from nrl_tasks.run_layout import validate_run_id
-from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.runner import TASK_DEFAULTS
+from flows.observe.summary import SummaryFields
+from flows.run.recipe import Actors, Retries
+from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.context import RunContext, StepContext
+from nrl_tasks.stages.data import snapshot_records
+from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
+from nrl_tasks.stages.schedule import StepSchedule
+from nrl_tasks.stages.sft import SFT_GRAPH, build_sft_batch, load_sft_records, sft_batch, sft_train, sft_update, sft_validate
 
-__all__ = ["build_sft_batch", "sft"]
+__all__ = ["SFT", "SFTRecipe", "TRAIN_KEYS", "build_sft_batch", "sft"]
 
-
-def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any, max_len: int) -> Any:
-    """``input_ids, input_lengths, token_mask, sample_mask`` for prompt + ``" answer"`` + EOS, or,
-    for a record with a ``demonstration`` (a multi-turn episode's messages after the prompt, e.g.
-    the calculator's tool call, result and answer), prompt + that episode with only its assistant
-    turns in the loss (:func:`~nrl_tasks.stages.multi_turn.demonstration_tokens`); at most the
-    last ``max_len`` tokens of a row."""
-    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-    from nrl_tasks.stages.data import clip_text, format_prompt, masked_batch
-    from nrl_tasks.stages.multi_turn import demonstration_tokens
-
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    rows = []
-    for r in records:
-        p = tokenizer(format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_len), add_special_tokens=False)["input_ids"]
-        if r.get("demonstration"):
-            ids, mask = demonstration_tokens(
-                tokenizer, p, r["demonstration"], chat_template=data_cfg.chat_template, eos_id=eos, max_tokens=max_len
-            )
-        else:  # texts cut by characters first: only the row's last max_len tokens are kept
-            a = tokenizer(clip_text(" " + r["answer"], max_len, keep="tail"), add_special_tokens=False)["input_ids"] + [eos]
-            ids, mask = p + a, [0.0] * len(p) + [1.0] * len(a)
-        rows.append((ids[-max_len:], mask[-max_len:]))
-    return BatchedDataDict({**masked_batch(rows, pad), "sample_mask": torch.ones(len(rows))})
+#: ``train`` figures in the metrics line
+TRAIN_KEYS = ("loss", "grad_norm", "tokens_per_s", "train_seconds")
 
 
-@task(name="sft-train", task_run_name="sft-{run.run_id}-step{step}", **TASK_DEFAULTS)
-def sft_step(run: RunContext, step: int, batch_size: int, seed: int) -> dict[str, float]:
-    """One NLL update on the records of ``step``."""
-    from nrl_tasks.algorithms.loss_functions import NLLLossFn
-    from nrl_tasks.stages.data import step_record_indices
-    from nrl_tasks.stages.train import train_metrics
+class SFTRecipe:
+    """SFT as a recipe (see the module docstring)."""
 
-    cfg = run.cfg
-    recs = run.records("train")
-    idx = step_record_indices(num_records=len(recs), step=step, num_prompts=batch_size, seed=seed, shuffle=True)
-    data = build_sft_batch([recs[i] for i in idx], run.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
-    t = time.perf_counter()
-    res = run.policy.train(data, NLLLossFn(), gbs=batch_size, mbs=min(cfg.policy.train_micro_batch_size, batch_size))
-    m = train_metrics(res)
-    return {"step": step, "loss": m.get("loss"), "seconds": time.perf_counter() - t}
+    kind = "sft"
+    section = "sft"
+    graph = SFT_GRAPH
+    actors = Actors()
+    unread_sections = ("loss_fn", "dpo")
+    summary = SummaryFields(curve="loss", curve_label="loss", eval_metric="val_loss", eval_label="held-out loss",
+                            higher_is_better=False)
+
+    def budget(self, cfg: MasterConfig) -> int:
+        return cfg.sft.max_num_steps
+
+    def validation_due(self, cfg: MasterConfig, step: int) -> bool:
+        return supervised.validation_due(cfg.sft, step)
+
+    def retries(self, cfg: MasterConfig) -> Retries:
+        return supervised.DEFAULT_RETRIES
+
+    def schedule(self, cfg: MasterConfig) -> StepSchedule:
+        return supervised.schedule(cfg.sft.max_num_steps)
+
+    def facts_options(self, cfg: MasterConfig) -> dict[str, Any]:
+        return supervised.facts_options(SFT_GRAPH, cfg.sft.max_num_steps)
+
+    def check_recompute(self, specs: Sequence[tuple[str, int]], cfg: MasterConfig) -> None:
+        return None
+
+    def check_config(self, cfg: MasterConfig) -> list[str]:
+        problems = []
+        if cfg.sft.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
+            problems.append(f"sft.val_period = {cfg.sft.val_period} needs held-out rows: set data.val_path (an SFT file)")
+        if cfg.sft.max_num_epochs is not None:
+            problems.append("sft.max_num_epochs is not applied here: the run's length is sft.max_num_steps (drop the key, "
+                            "or set max_num_steps to epochs * rows / policy.train_global_batch_size)")
+        return problems
+
+    def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
+        opts = cfg.storage.storage_options or None
+        for split in ["train"] + (["val"] if cfg.sft.val_period else []):
+            try:
+                load_sft_records(cfg.data, split, cfg.grpo.seed, opts)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{f'data.{split}_path' if cfg.data.dataset == 'file' else 'data.arithmetic'}: {exc}") from None
+
+    def prepare(self, layout: RunLayout, cfg: MasterConfig, tokenizer: Any) -> dict[str, list[dict[str, str]]]:
+        opts = cfg.storage.storage_options or None
+        splits = ["train"] + (["val"] if cfg.sft.val_period else [])
+        return {split: snapshot_records(layout, cfg, split, None, opts, load=load_sft_records) for split in splits}
+
+    def repairs(self, cfg: MasterConfig, layout: RunLayout, window: tuple[int, int], skip: Sequence[tuple[int, str]]) -> tuple[str, ...]:
+        return supervised.repairs(layout, cfg, SFT_GRAPH, window, skip, None)
+
+    def inputs(self, ctx: StepContext, version: int, *, overlap: bool = False) -> dict[str, Any]:
+        return {"batch": sft_batch(quote(ctx))}
+
+    def submit_inputs(self, ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
+        return self.inputs(ctx, version)
+
+    def update(self, ctx: StepContext, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return {"batch": inputs["batch"], "train": sft_train(quote(ctx), inputs["batch"])}
+
+    def recompute(self, run: RunContext, step: int, generation_version: int) -> None:
+        sft_batch(quote(run.step(step)))
+
+    def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
+        return sft_update(run, batches)
+
+    def validate(self, ctx: StepContext, refit: ActionResult | None) -> DatasetRef:
+        return sft_validate(quote(ctx))
+
+    def metrics_line(self, ctx: StepContext, refs: StepRefs, wall_seconds: float | None) -> dict[str, Any]:
+        return supervised.metrics_line(ctx, refs, wall_seconds, SFT_GRAPH, TRAIN_KEYS)
+
+    def rebuild_line(self, layout: RunLayout, step: int, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+        return supervised.rebuild_line(layout, step, storage_options, SFT_GRAPH, TRAIN_KEYS)
+
+    def console_line(self, run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
+        return supervised.console_line(run_id, "sft", row, max_steps, (("loss", "loss", ".4f"), ("grad_norm", "grad_norm", ".3f")))
+
+    def run(self, **params: Any) -> dict[str, Any]:
+        """A run of this recipe: its Prefect flow :func:`sft` called with ``params``."""
+        return sft(**params)
+
+    def publish_extra(self, ctx: StepContext, refs: StepRefs) -> list[tuple[str, str]]:
+        return []
 
 
-@flow(name="sft", flow_run_name="sft-{run_id}", validate_parameters=False, persist_result=False)
+#: SFT's recipe
+SFT = SFTRecipe()
+
+
+@flow(name="sft", flow_run_name=flow_run_namer("sft"), validate_parameters=False, persist_result=False)
 def sft(
     config: str | dict | MasterConfig | None = None,
     run_id: str | None = None,
-    num_steps: int = 60,
-    batch_size: int = 32,
+    resume: bool = False,
     overrides: list[str] | None = None,
     storage: str | None = None,
-    lr: float | None = None,
+    recompute: list[str] | None = None,
+    take_over: bool = False,
+    fresh_optimizer: bool = False,
 ) -> dict[str, Any]:
-    """Supervised warm start; returns ``{"run_id", "weights", "checkpoint", "losses"}``.
-
-    ``lr`` overrides ``policy.optimizer.kwargs.lr`` for the warm start only."""
-    from nrl_tasks.stages.checkpoint import save_checkpoint
-
-    log = get_run_logger()
-    run_id = validate_run_id(run_id) if run_id else new_run_id("sft")
-    tag_this_flow_run(run_id)  # before the config is read, like every flow of a run session
-    overrides = list(overrides or []) + ([f"policy.optimizer.kwargs.lr={lr}"] if lr is not None else [])
-    cfg = resolve_config(config, overrides, storage)
-    # no per-step persistence: an SFT started again under the same id (a resumed GRPO flow's warm
-    # start) trains again from its first step, deterministically
-    with run_session(cfg, run_id, algorithm="sft", intent=RunIntent(restartable=True), log=log) as session:
-        with session.running(max_steps=num_steps):
-            rt = session.start_runtime(with_actors=False)
-            rt.start_policy()
-            run = session.context()
-            losses = []
-            seed = cfg.grpo.seed + 1_000_003  # a draw independent of the GRPO run's
-            for step in range(1, num_steps + 1):
-                session.fence()
-                out = sft_step(quote(run), step, batch_size, seed)
-                losses.append(out["loss"])
-                if step % 10 == 0 or step == num_steps:
-                    log.info("sft step %d/%d loss %.4f", step, num_steps, out["loss"])
-            uri = session.layout.checkpoint_uri(num_steps)
-            save_checkpoint(
-                rt.policy, uri, {"run_id": run_id, "step": num_steps, "weights_version": rt.policy.weights_version, "kind": "sft"},
-                save_optimizer=False, storage_options=run.storage_options,
-            )
-    return {"run_id": run_id, "checkpoint": uri, "weights": f"{uri}/weights", "losses": losses}
+    """Train with SFT (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
+    "last_step", "checkpoints", "final_metrics", "first_step", "restored"}``. The last
+    checkpoint's ``weights`` folder loads as ``policy.model_name`` of a later run."""
+    return train_run(SFT, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
+                     recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer)

@@ -1,61 +1,57 @@
-"""One GRPO step as a Prefect subflow: the data flow of the step, readable top to bottom.
+"""One step of a run, for every algorithm: its recipe's stages, then the one "finish the step" path.
 
 ::
 
-    prompts = prompts(ctx)
-    rollouts = generate(ctx, prompts, v)           # on the generation workers, weights version v = step - 1
-    rewards = score(ctx, rollouts)                 # (submitted: runs while logprob runs)
-    # (grpo.use_dynamic_sampling: generation batches until enough groups have reward variance,
-    #  then the step's prompts, rollouts and rewards from them: :func:`flows.algorithms.lanes.sampled_stages`)
-    logprobs = logprob(ctx, rollouts, v)           # policy + reference logprobs
-    advantages = advantages(ctx, rollouts, rewards)
-    trained = train(ctx, rollouts, logprobs, advantages)    # policy at version step
-    checkpoint(ctx, trained)                                # when due (submitted: written while the refit runs)
-    refitted = refit(ctx, trained, step)                    # generation workers to version step
-    validate(ctx, refitted, step)                           # when due
-
-The first three stages are the generation lane, ``logprob`` to ``checkpoint`` the policy lane,
-each defined once in :mod:`flows.algorithms.lanes` (async GRPO and recovery run the same lanes).
+    inputs = recipe.inputs(ctx, v)              # GRPO: prompts, generate, score (score submitted: runs beside logprob)
+    datasets = recipe.update(ctx, inputs)       # GRPO: logprob, advantages, train; DPO: reference, train; SFT: train
+    # finish_step: the same for every algorithm, at age 0 and in async GRPO alike
+    checkpoint(ctx, trained)                    # when due (submitted: written while the refit runs)
+    refitted = refit(ctx, trained, step)        # generation workers to version step (recipes that have them)
+    validate(ctx, refitted)                     # when due (the recipe's validation)
 
 Each stage is a Prefect task that receives the :class:`~nrl_tasks.stages.refs.DatasetRef` objects
 the stages before it returned, so Prefect records the edges of this graph (task inputs) and the UI
 draws it. Steps run grouped in subflows of the run's flow run (``logger.steps_per_subflow``,
 :func:`steps_per_subflow`): by default a flow run's steps in at most :data:`SUBFLOWS_PER_FLOW_RUN`
-subflows ``<run_id>-steps-0001-0010`` (:func:`grpo_steps`: the step bodies one after another), so
-the UI's runs list shows runs, not steps, at any run length; with one step a subflow, each step
-is its own subflow ``<run_id>-step-0007`` (:func:`grpo_step`). A subflow run again after a fault
-gets ``-retry1``; every one is tagged ``run:<run_id>``; task runs are named after the stage, run
-and step (``train-<run_id>-step7``). Subflows run without a Prefect heartbeat thread of their own
-(:func:`without_subflow_heartbeats`). Every stage is idempotent (:mod:`nrl_tasks.stages.runner`): running a step again
-recomputes only what is not committed. The flow then writes the step's ``metrics.jsonl`` line,
-console line and artifacts (:func:`publish_step`).
+subflows ``<run_id>-steps-0001-0010`` (the flow ``<kind>-steps``: the step bodies one after
+another), so the UI's runs list shows runs, not steps, at any run length; with one step a subflow,
+each step is its own subflow ``<run_id>-step-0007`` (the flow ``<kind>-step``). A subflow run again
+after a fault gets ``-retry1``; every one is tagged ``run:<run_id>``; task runs are named after the
+stage, run and step (``train-<run_id>-step7``). Subflows run without a Prefect heartbeat thread of
+their own (:func:`without_subflow_heartbeats`). Every stage is idempotent
+(:mod:`nrl_tasks.stages.runner`): running a step again recomputes only what is not committed. The
+flow then writes the step's ``metrics.jsonl`` line, console line and artifacts (:func:`publish_step`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, SummaryHandle, metrics_table, rollouts_markdown
-from flows.observe.summary import metrics_window, summary_markdown
+from flows.algorithms.lanes import beside
+from flows.config import MasterConfig
+from flows.observe.artifacts import BackgroundPublisher, RunArtifacts, SummaryHandle, metrics_table
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
+from flows.observe.metrics import upsert_metrics
+from flows.observe.summary import metrics_window, summary_markdown
 from flows.observe.trackers import TrackerSet
-from flows.observe.metrics import build_step_metrics, format_console_line, upsert_metrics
-from flows.algorithms.lanes import beside, data_stages, generation_lane, policy_lane, sampled_stages
+from flows.run.recipe import Recipe
+from nrl_tasks.stages.checkpoint import checkpoint, list_checkpoints
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.evaluate import validate
-from nrl_tasks.stages.refit import refit
+from nrl_tasks.stages.refit import refit as refit_task
 from nrl_tasks.stages.refs import StepRefs
 
 __all__ = [
-    "SUBFLOWS_PER_FLOW_RUN", "StepPlan", "StepSegment", "data_stages", "grpo_step", "grpo_steps", "publish_step", "sampled_stages",
-    "steps_per_subflow", "tag_flow_run", "without_subflow_heartbeats",
+    "SUBFLOWS_PER_FLOW_RUN", "StepPlan", "StepSegment", "finish_step", "flow_label", "publish_step", "run_step_body",
+    "step_flows", "step_plan", "steps_per_subflow", "tag_flow_run", "without_subflow_heartbeats",
 ]
 
 #: ``logger.steps_per_subflow`` unset: a flow run's steps in at most this many subflows
@@ -75,32 +71,54 @@ class StepPlan:
     attempt: int = 1
 
 
-def _step_run_name() -> str:
-    from prefect.runtime import flow_run
-
-    params = flow_run.parameters or {}
-    plan = params.get("plan") or {}
-    attempt = plan.get("attempt", 1) if isinstance(plan, dict) else getattr(plan, "attempt", 1)
-    ctx = params.get("ctx")
-    run_id = getattr(ctx, "run_id", None) or "grpo"
-    step = getattr(ctx, "step", 0)
-    name = f"{run_id}-step-{int(step):04d}"
-    return name if int(attempt) <= 1 else f"{name}-retry{int(attempt) - 1}"
+def step_plan(cfg: MasterConfig, recipe: Recipe, step: int, *, chash: str, write_line: bool = True) -> StepPlan:
+    """What step ``step`` of a run of ``recipe`` does besides its data stages: a checkpoint every
+    ``checkpointing.save_period`` steps and at the last, validation when the recipe says."""
+    last = recipe.budget(cfg)
+    ck = cfg.checkpointing
+    return StepPlan(
+        max_steps=last, config_hash=chash, checkpoint=bool(ck.enabled and (step % ck.save_period == 0 or step == last)),
+        validate=recipe.validation_due(cfg, step), write_line=write_line,
+    )
 
 
-@flow(name="grpo-step", flow_run_name=_step_run_name, validate_parameters=False, persist_result=False, result_serializer="json")
-def grpo_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
-    """Step ``ctx.step`` of the run (see the module docstring)."""
+# ----------------------------------------------------------------------------------------------
+# the step
+
+
+def run_step_body(recipe: Recipe, ctx: StepContext, plan: StepPlan) -> StepRefs:
+    """Step ``ctx.step`` at age 0: the recipe's stages on the weights of the step before, then
+    :func:`finish_step` (the refit when the recipe has generation workers)."""
+    inputs = recipe.inputs(ctx, ctx.step - 1, overlap=True)
+    return finish_step(recipe, ctx, recipe.update(ctx, inputs), plan, refit=recipe.actors.generation)
+
+
+def finish_step(
+    recipe: Recipe, ctx: StepContext, datasets: Mapping[str, Any], plan: StepPlan, *, refit: bool,
+    before_refit: Callable[[], None] | None = None,
+) -> StepRefs:
+    """The one end of every step, sync or async: the checkpoint when due, written while the
+    generation workers are refitted to the trained version (``refit``; ``before_refit`` first:
+    async GRPO waits there for the generations still running on older weights), then the
+    recipe's validation when due, on the refitted workers."""
     c = quote(ctx)
-    # score runs beside logprob, the checkpoint beside the refit (each pair reads the same inputs)
-    datasets, ck = policy_lane(ctx, generation_lane(ctx, ctx.step - 1, overlap_score=True), plan, submit_checkpoint=True)
     trained = datasets["train"]
-    refitted, ck = beside(ck, lambda: refit(c, trained, trained.weights_version))  # the checkpoint is written meanwhile
-    val = validate(c, refitted, trained.weights_version) if plan.validate else None
-    from prefect.runtime import flow_run
+    ck: Any = None
+    refitted = None
+    if refit:
+        ck = checkpoint.submit(c, trained, plan.config_hash) if plan.checkpoint else None
 
-    fid = str(flow_run.id) if flow_run.id and flow_run.name.startswith(f"{ctx.run_id}-step") else None  # step or steps subflow
-    return StepRefs(step=ctx.step, datasets=datasets, refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
+        def send() -> Any:
+            if before_refit is not None:
+                before_refit()
+            return refit_task(c, trained, trained.weights_version)
+
+        refitted, ck = beside(ck, send)  # the checkpoint is written meanwhile
+    elif plan.checkpoint:
+        ck = checkpoint(c, trained, plan.config_hash)
+    val = recipe.validate(ctx, refitted) if plan.validate else None
+    fid = str(flow_run.id) if flow_run.id and (flow_run.name or "").startswith(f"{ctx.run_id}-step") else None
+    return StepRefs(step=ctx.step, datasets=dict(datasets), refit=refitted, checkpoint=ck, val=val, flow_run_id=fid)
 
 
 def steps_per_subflow(configured: int | None, max_steps: int) -> int:
@@ -137,31 +155,55 @@ class StepSegment:
         return name if self.attempt <= 1 else f"{name}-retry{self.attempt - 1}"
 
 
+def _step_run_name() -> str:
+    params = flow_run.parameters or {}
+    plan = params.get("plan") or {}
+    attempt = plan.get("attempt", 1) if isinstance(plan, dict) else getattr(plan, "attempt", 1)
+    ctx = params.get("ctx")
+    name = f"{getattr(ctx, 'run_id', None) or 'run'}-step-{int(getattr(ctx, 'step', 0)):04d}"
+    return name if int(attempt) <= 1 else f"{name}-retry{int(attempt) - 1}"
+
+
 def _segment_run_name() -> str:
-    from prefect.runtime import flow_run
-
     segment = (flow_run.parameters or {}).get("segment")
-    return segment.name if isinstance(segment, StepSegment) else "grpo-steps"
+    return segment.name if isinstance(segment, StepSegment) else "steps"
 
 
-@flow(name="grpo-steps", flow_run_name=_segment_run_name, validate_parameters=False, persist_result=False, result_serializer="json")
-def grpo_steps(segment: StepSegment, run_one: Callable[[int], None]) -> None:
-    """Steps ``segment.first``..``segment.last``, one after another: ``run_one(step)`` runs a
-    step's body (:func:`grpo_step`'s, in this flow run) and publishes it."""
-    for step in segment.steps:
-        run_one(step)
+def flow_label(kind: str) -> str:
+    """A kind as a Prefect flow-name prefix (a plug-in's ``module:Attr`` -> ``attr``).
+
+    >>> flow_label("grpo"), flow_label("tests.algorithms.reinforce:REINFORCE")
+    ('grpo', 'reinforce')
+    """
+    return kind.rpartition(":")[2].rpartition(".")[2].lower()
 
 
-def _publish_summary(run: Any, rows: list[dict[str, Any]], max_steps: int, links: dict[str, str] | None,
-                     handle: SummaryHandle) -> None:
-    """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
-    ``handle``: the flow run's summary, updated in place, with the run's history."""
-    from nrl_tasks.stages.checkpoint import list_checkpoints
+#: kind -> its step flow and steps flow (a cache: made once per process)
+_STEP_FLOWS: dict[str, tuple[Flow, Flow]] = {}
 
-    ck = run.cfg.checkpointing
-    md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
-                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=handle.history)
-    handle.publish(md)
+
+def step_flows(recipe: Recipe) -> tuple[Flow, Flow]:
+    """The Prefect flows ``<kind>-step`` (one step, :func:`run_step_body`) and ``<kind>-steps``
+    (a segment of steps: ``run_one(step)`` runs a step's body in that flow run and publishes it)
+    of ``recipe``'s runs."""
+    if recipe.kind not in _STEP_FLOWS:
+        label = flow_label(recipe.kind)
+
+        def one_step(ctx: StepContext, plan: StepPlan) -> StepRefs:
+            """One step of the run (see :mod:`flows.algorithms.step`)."""
+            return run_step_body(recipe, ctx, plan)
+
+        def steps(segment: StepSegment, run_one: Callable[[int], None]) -> None:
+            """Steps ``segment.first``..``segment.last``, one after another."""
+            for s in segment.steps:
+                run_one(s)
+
+        opts: dict[str, Any] = {"validate_parameters": False, "persist_result": False, "result_serializer": "json"}
+        _STEP_FLOWS[recipe.kind] = (
+            flow(name=f"{label}-step", flow_run_name=_step_run_name, **opts)(one_step),
+            flow(name=f"{label}-steps", flow_run_name=_segment_run_name, **opts)(steps),
+        )
+    return _STEP_FLOWS[recipe.kind]
 
 
 @contextmanager
@@ -174,8 +216,6 @@ def without_subflow_heartbeats() -> Iterator[None]:
     subflow of two tasks took 1.09 s, 0.14 s without it, on SQLite and PostgreSQL servers alike).
     A step subflow lives in the run's process, so the run's own heartbeats already tell whether
     it is alive."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
@@ -190,10 +230,27 @@ def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
     add_flow_run_tags(flow_run_id, [run_tag(run_id)])
 
 
+# ----------------------------------------------------------------------------------------------
+# publishing
+
+
+def _publish_summary(ctx: StepContext, recipe: Recipe, rows: list[dict[str, Any]], max_steps: int,
+                     links: dict[str, str] | None, handle: SummaryHandle) -> None:
+    """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
+    ``handle``: the flow run's summary, updated in place, with the run's history."""
+    run = ctx.run
+    ck = run.cfg.checkpointing
+    md = summary_markdown(run.run_id, rows, max_steps, checkpoints=list_checkpoints(run.layout.checkpoints_uri, run.storage_options),
+                          metric_name=ck.metric_name, higher_is_better=ck.higher_is_better, links=links, history=handle.history,
+                          fields=recipe.summary)
+    handle.publish(md)
+
+
 def publish_step(
     ctx: StepContext,
     refs: StepRefs,
     plan: StepPlan,
+    recipe: Recipe,
     *,
     wall_seconds: float | None,
     publisher: BackgroundPublisher | None = None,
@@ -202,44 +259,28 @@ def publish_step(
     trackers: TrackerSet | None = None,
     log: Any = None,
 ) -> dict[str, Any] | None:
-    """The step's ``metrics.jsonl`` line (unless ``plan.write_line`` is off; ``extra`` figures
-    added to it), console line, artifacts and tracker curves (:mod:`flows.observe.trackers`), the last two
-    published in the background by ``publisher`` into ``artifacts`` (the flow run's, updated in
-    place; none without them). ``log``: the logger of the run's flow run (its
-    log gets the step line also when the step ran in a subflow; default: the current run's)."""
-    import storage
-
+    """The step's ``metrics.jsonl`` line (the recipe's; unless ``plan.write_line`` is off;
+    ``extra`` figures added to it), console line, artifacts and tracker curves
+    (:mod:`flows.observe.trackers`), the last two published in the background by ``publisher``
+    into ``artifacts`` (the flow run's, updated in place; none without them). ``log``: the logger
+    of the run's flow run (its log gets the step line also when the step ran in a subflow;
+    default: the current run's)."""
     run, cfg = ctx.run, ctx.cfg
     row = None
     if plan.write_line:
-        rw = storage.load_batch(ctx.uri("rewards"), columns=["rewards", "reward_valid"], **ctx.storage_kw)
-        row = build_step_metrics(
-            ctx.step, {k: v.summary() for k, v in refs.datasets.items() if v is not None},
-            refit=refs.refit.summary() if refs.refit else None,
-            val=refs.val.summary() if refs.val else None,
-            checkpoint=refs.checkpoint.summary() if refs.checkpoint else None,
-            wall_seconds=wall_seconds, rewards=(rw["rewards"], rw["reward_valid"]),
-        )
-        if refs.datasets.get("logprobs", True) is None:
-            row["logprob_skipped"] = True  # nothing reads them (loss_fn.force_on_policy_ratio, no KL)
+        row = recipe.metrics_line(ctx, refs, wall_seconds)
         row.update(extra or {})
         rows = upsert_metrics(run.layout.metrics_uri, row, run.storage_options)
         if trackers is not None and publisher is not None:
             publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None and artifacts is not None:
             links = trackers.links() if trackers is not None else None
-            publisher.submit(_publish_summary, run, rows, plan.max_steps, links, artifacts.summary)
+            publisher.submit(_publish_summary, ctx, recipe, rows, plan.max_steps, links, artifacts.summary)
             if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
                 publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
-                n = cfg.logger.num_rollouts_to_show
-                if n > 0:
-                    convo = cfg.env.environment is not None  # multi-turn: show whole episodes too
-                    cols = ["prompt", "response", "answer", *(["message_log"] if convo else [])]
-                    r = storage.load_batch(ctx.uri("rollouts"), columns=cols, **ctx.storage_kw)
-                    md = rollouts_markdown(run.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n,
-                                           conversations=r["message_log"] if convo else None)
-                    publisher.submit(artifacts.rollouts.publish, md)
-        line = format_console_line(run.run_id, row, plan.max_steps)
+                for kind, markdown in recipe.publish_extra(ctx, refs):  # e.g. GRPO's best and worst rollouts
+                    publisher.submit(artifacts.keyed(kind, kind.replace("_", " ")).publish, markdown)
+        line = recipe.console_line(run.run_id, row, plan.max_steps)
         (log or get_run_logger()).info(line)
         if cfg.logger.console:
             print(line, flush=True)

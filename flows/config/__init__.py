@@ -64,6 +64,7 @@ __all__ = [
     "load_config",
     "load_config_dict",
     "load_config_text",
+    "read_config_data",
     "redact",
     "saved_config_hash",
 ]
@@ -111,6 +112,16 @@ def load_config_text(text: str, source: str) -> dict[str, Any]:
     data = load_yaml_text(text, source)
     data.pop("config_hash", None)
     return data
+
+
+def read_config_data(source: str | os.PathLike[str] | dict[str, Any], overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """A config's data (a YAML path or a dict) with ``overrides`` applied, not validated: what
+    tells its kind before its algorithm is known (:func:`nrl_tasks.config.master.config_kind`)."""
+    data = dict(source) if isinstance(source, dict) else load_config_dict(source)
+    try:
+        return apply_overrides(data, list(overrides))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(

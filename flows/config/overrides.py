@@ -17,11 +17,7 @@ from typing import Any, Iterable
 
 from flows.config.io import ConfigError, YAMLSyntaxError, parse_yaml
 
-__all__ = ["UNREAD_SECTIONS", "apply_overrides", "check_overrides_apply", "parse_override", "parse_value"]
-
-#: the config sections a run of each kind never reads: an override of one of their keys would be
-#: silently ignored (DPO's length is ``dpo.max_num_steps``, GRPO's ``grpo.max_num_steps``)
-UNREAD_SECTIONS: dict[str, tuple[str, ...]] = {"dpo": ("grpo", "loss_fn"), "grpo": ("dpo",)}
+__all__ = ["apply_overrides", "check_overrides_apply", "parse_override", "parse_value"]
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -82,21 +78,21 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
-def check_overrides_apply(overrides: Iterable[str], algorithm: str) -> None:
-    """``ValueError`` naming every override whose section a run of kind ``algorithm`` (``"grpo"``,
-    ``"dpo"``) never reads (:data:`UNREAD_SECTIONS`): it would change nothing, silently.
+def check_overrides_apply(overrides: Iterable[str], kind: str, unread: Iterable[str]) -> None:
+    """``ValueError`` naming every override of a section in ``unread``, the sections a run of
+    ``kind`` never reads (its recipe's ``unread_sections``): it would change nothing, silently.
 
-    >>> check_overrides_apply(["grpo.max_num_steps=3", "policy.precision=float32"], "grpo")
-    >>> check_overrides_apply(["grpo.max_num_steps=10"], "dpo")
+    >>> check_overrides_apply(["grpo.max_num_steps=3", "policy.precision=float32"], "grpo", ("dpo",))
+    >>> check_overrides_apply(["grpo.max_num_steps=10"], "dpo", ("grpo", "loss_fn"))
     Traceback (most recent call last):
     ...
     ValueError: override grpo.max_num_steps=10 does not apply to a DPO run (it never reads `grpo`, `loss_fn`; its length is dpo.max_num_steps)
     """
-    unread = UNREAD_SECTIONS.get(algorithm, ())
+    unread = tuple(unread)
     bad = [item for item in overrides if item.partition("=")[0].strip().partition(".")[0] in unread]
     if bad:
         sections = ", ".join(f"`{s}`" for s in unread)
         raise ValueError(
             f"override{'s' if len(bad) > 1 else ''} {', '.join(bad)} {'do' if len(bad) > 1 else 'does'} not apply to a "
-            f"{algorithm.upper()} run (it never reads {sections}; its length is {algorithm}.max_num_steps)"
+            f"{kind.upper()} run (it never reads {sections}; its length is {kind}.max_num_steps)"
         )

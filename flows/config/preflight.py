@@ -12,10 +12,9 @@ would make the same ``--run-id`` refused).
 - the stage plug-ins of ``NRL_PLUGINS`` load (imported the same way);
 - ``policy.model_name`` / ``policy.tokenizer.name``: a built-in name is known, a local path is a
   folder (:func:`check_model_path`);
-- GRPO: the prompt files (``data.train_path``, ``data.val_path`` when validation reads it) exist
-  and parse, with the configured keys; DPO (a ``dpo`` section): the preference pairs a run would
-  train on (:func:`check_preferences`): the run's frozen snapshot when it has one (a resume), else
-  ``data.train_path``, every row's ``prompt``, ``chosen`` and ``rejected`` a non-empty string;
+- the run's data, as its algorithm reads it (its recipe's ``check_data``): GRPO's prompt files
+  (``data.train_path``, ``data.val_path`` when validation reads it, :func:`check_prompt_files`);
+  DPO's preference pairs (a resume's frozen snapshot is not checked again); SFT's rows;
 - a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
   :func:`flows.run.ray_session.check_local_ray_size`.
 
@@ -24,10 +23,12 @@ The flow checks the same things again where it uses them (a deployment run skips
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flows.config import MasterConfig
 from nrl_tasks.run_layout import RunLayout
 
-__all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins", "check_preferences", "check_prompt_files", "check_reward_fn", "preflight"]
+__all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins", "check_prompt_files", "check_reward_fn", "preflight"]
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
@@ -90,24 +91,6 @@ def check_model_path(cfg: MasterConfig) -> None:
             raise ValueError(f"{key}: {name!r} is not a model folder (no such directory)")
 
 
-def check_preferences(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
-    """``ValueError`` naming the file, line and field of the first bad row of the preference pairs
-    a DPO run would train on. With ``layout`` (a resume) a run that froze its pairs already is
-    left alone: it reads its snapshot, not the source file (the resume entry checks the snapshot,
-    :func:`flows.run.start.plan_start`)."""
-    import storage
-
-    from nrl_tasks.stages.preferences import snapshot_uri, source_preferences
-
-    opts = cfg.storage.storage_options or None
-    if layout is not None and storage.is_committed(snapshot_uri(layout), **({"storage_options": opts} if opts else {})):
-        return
-    try:
-        source_preferences(cfg, opts)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{'data.train_path' if cfg.data.dataset == 'file' else 'data.arithmetic'}: {exc}") from None
-
-
 def check_lora(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``policy.dtensor_cfg.lora_cfg.target_modules`` / ``exclude_modules``
     when LoRA is enabled and an entry names no module of the policy model, or nothing is left to
@@ -122,9 +105,11 @@ def check_lora(cfg: MasterConfig) -> None:
     check_lora_targets(resolve_model_path(cfg.policy.model_name), lora)
 
 
-def preflight(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
+def preflight(cfg: MasterConfig, layout: RunLayout | None = None, *,
+              check_data: Callable[[MasterConfig, RunLayout | None], None] | None = None) -> None:
     """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything
-    (``layout``: the run a resume continues)."""
+    (``layout``: the run a resume continues; ``check_data``: the run's algorithm's data check,
+    its recipe's ``check_data``)."""
     from flows.run.plugins import load_observers
     from flows.run.ray_session import check_local_ray_size
 
@@ -132,10 +117,8 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
     check_lora(cfg)
     check_plugins(cfg)
     load_observers(isolate=True)
-    if cfg.dpo is not None:
-        check_preferences(cfg, layout)
-    else:
-        check_prompt_files(cfg)
+    if check_data is not None:
+        check_data(cfg, layout)
     check_local_ray_size(cfg)
 
 

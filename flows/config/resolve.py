@@ -1,19 +1,19 @@
-"""A run's id and its resolved config: what every flow (GRPO, DPO, the SFT warm start) and the CLI
-decide before a run starts."""
+"""A run's id and its resolved config: what every flow and the CLI decide before a run starts."""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from flows.config import ConfigError, MasterConfig, load_config
 from flows.config.overrides import check_overrides_apply
 from flows.run.state import check_storage_root, saved_config_data
+from nrl_tasks.config.master import ALGORITHM_SECTIONS, config_kind
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 
-__all__ = ["check_run_kind", "new_run_id", "resolve_config"]
+__all__ = ["RunKind", "check_run_kind", "new_run_id", "resolve_config"]
 
 
 def new_run_id(prefix: str = "grpo") -> str:
@@ -31,14 +31,26 @@ def new_run_id(prefix: str = "grpo") -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
-def check_run_kind(cfg: MasterConfig, algorithm: str, source: str) -> None:
+class RunKind(Protocol):
+    """What resolving a config needs of a run's algorithm (its recipe, :class:`flows.run.recipe.Recipe`)."""
+
+    kind: str
+    unread_sections: tuple[str, ...]
+
+
+def check_run_kind(cfg: MasterConfig, kind: str, source: str) -> None:
     """``ConfigError`` when ``cfg`` (from ``source``: a config file or a run) is not a config of
-    ``algorithm``: a ``dpo`` section makes a DPO run, which ``nrl grpo`` would train as GRPO,
-    ignoring the section."""
-    if algorithm == "grpo" and cfg.dpo is not None:
-        raise ConfigError(f"{source}: has a `dpo` section: a DPO config (use `nrl dpo`; `nrl grpo` would ignore it)")
-    if algorithm == "dpo" and cfg.dpo is None:
-        raise ConfigError(f"{source}: no `dpo` section (a GRPO config: use `nrl grpo`)")
+    ``kind`` (:attr:`MasterConfig.kind`): e.g. a ``dpo`` section makes a DPO run, which ``nrl grpo``
+    would train as GRPO, ignoring the section."""
+    have = cfg.kind
+    if have == kind:
+        return
+    if have in ALGORITHM_SECTIONS:
+        raise ConfigError(f"{source}: has a `{have}` section: a {have.upper()} config (use `nrl {have}`; `nrl {kind}` would "
+                          "ignore it)")
+    if kind in ALGORITHM_SECTIONS:
+        raise ConfigError(f"{source}: no `{kind}` section (a {have.upper()} config: use `nrl {have}`)")
+    raise ConfigError(f"{source}: a config of algorithm {have!r}, not {kind!r}")
 
 
 def resolve_config(
@@ -47,33 +59,32 @@ def resolve_config(
     storage: str | None = None,
     *,
     run_id: str | None = None,
-    algorithm: str | None = None,
+    recipe: RunKind | None = None,
 ) -> MasterConfig:
     """Validated config with overrides and an explicit storage root applied (normalised).
 
-    ``config=None`` with a ``run_id`` loads that run's saved ``config.yaml`` (resume); the run's
-    kind (``"dpo"`` when it has a ``dpo`` section, else ``"grpo"``) is then the run's own.
-    ``algorithm`` (``"grpo"``/``"dpo"``; a resume's is the run's): ``ConfigError`` for an override
-    of a section that kind never reads (:func:`flows.config.overrides.check_overrides_apply`) and
-    for a config of the other kind (:func:`check_run_kind`).
+    ``config=None`` with a ``run_id`` loads that run's saved ``config.yaml`` (resume).
+    ``recipe`` (the run's algorithm; a resume's must be the run's own): ``ConfigError`` for an
+    override of a section that kind never reads (:func:`flows.config.overrides.check_overrides_apply`)
+    and for a config of another kind (:func:`check_run_kind`).
     """
     resuming = config is None and bool(run_id)
     source = str(config) if isinstance(config, (str, os.PathLike)) else "the config"
     if resuming:  # the run must exist: nothing is created
         root = check_storage_root(storage or "./runs", create=False)
         config = saved_config_data(validate_run_id(run_id), root)
-        kind = "dpo" if config.get("dpo") is not None else "grpo"
-        if algorithm is not None and algorithm != kind:
+        kind = config_kind(config)
+        if recipe is not None and recipe.kind != kind:
             raise ConfigError(f"run {run_id!r} is a {kind.upper()} run: resume it with `nrl resume {run_id}`")
-        algorithm, source = kind, f"run {run_id!r}"
-    if algorithm is not None:
+        source = f"run {run_id!r}"
+    if recipe is not None:
         try:
-            check_overrides_apply(overrides or [], algorithm)
+            check_overrides_apply(overrides or [], recipe.kind, recipe.unread_sections)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     cfg = load_config(config, overrides or [], name=RunLayout(root, run_id).config_uri if resuming else None)
-    if algorithm is not None:
-        check_run_kind(cfg, algorithm, source)
+    if recipe is not None:
+        check_run_kind(cfg, recipe.kind, source)
     if storage:
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"root": storage})})
     root = check_storage_root(cfg.storage.root, cfg.storage.storage_options or None, create=not resuming)

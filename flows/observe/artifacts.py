@@ -284,13 +284,21 @@ class SummaryHandle(KeyedArtifact):
 
 class RunArtifacts:
     """What a flow run of a run publishes, one artifact of each kind, updated in place: progress,
-    the summary, the metrics table and the best/worst rollouts."""
+    the summary, the metrics table and the algorithm's own (:meth:`keyed`: GRPO's best/worst rollouts)."""
 
     def __init__(self, run_id: str, history: Sequence[Mapping[str, Any]] = (), *, algorithm: str = "GRPO") -> None:
+        self.run_id = run_id
         self.progress = ProgressHandle(run_id)
         self.summary = SummaryHandle(run_id, history)
         self.metrics = KeyedArtifact(run_id, "metrics", f"{algorithm} metrics of run {run_id}", form="table")
-        self.rollouts = KeyedArtifact(run_id, "rollouts", "best/worst rollouts")
+        self._keyed: dict[str, KeyedArtifact] = {}
+        self.rollouts = self.keyed("rollouts", "best/worst rollouts")
+
+    def keyed(self, kind: str, description: str) -> KeyedArtifact:
+        """The flow run's markdown artifact of ``kind`` (made on first use)."""
+        if kind not in self._keyed:
+            self._keyed[kind] = KeyedArtifact(self.run_id, kind, description)
+        return self._keyed[kind]
 
 
 def publish_summary(run_id: str, markdown: str) -> None:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from nrl_tasks.stages.graph import STAGES
+from nrl_tasks.stages.graph import GRPO_GRAPH, STAGES, StageGraph
 from nrl_tasks.utils.jsonl import jsonl_lines
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "read_metrics",
     "rebuild_step_metrics",
     "repair_metrics",
+    "stage_figures",
     "upsert_metrics",
 ]
 
@@ -176,13 +177,40 @@ def build_step_metrics(
     # time spent in actor calls / reward functions (the work itself; the rest of step_s is
     # orchestration, persistence and bookkeeping)
     compute = [get("rollouts", "generate_seconds"), get("rewards", "seconds"), get("logprobs", "compute_seconds"),
-               get("train", "train_seconds"), (refit or {}).get("seconds")]
-    row["compute_s"] = sum(c for c in compute if c is not None) if any(c is not None for c in compute) else None
+               get("train", "train_seconds")]
+    val_figures = {"val_accuracy": (val or {}).get("val_accuracy")} if val is not None else {}
+    if val is not None and val.get("val_turns_mean") is not None:  # a multi-turn environment's episodes
+        val_figures["val_turns_mean"] = val["val_turns_mean"]
+    row.update(stage_figures(GRPO_GRAPH, manifests, compute, refit=refit, val=val, val_figures=val_figures,
+                             checkpoint=checkpoint, wall_seconds=wall_seconds))
+    return {k: _clean(v) for k, v in row.items()}
+
+
+def stage_figures(
+    graph: StageGraph,
+    manifests: Mapping[str, Mapping[str, Any] | None],
+    compute: list[float | None],
+    *,
+    refit: Mapping[str, Any] | None = None,
+    val: Mapping[str, Any] | None = None,
+    val_figures: Mapping[str, Any] | None = None,
+    checkpoint: Mapping[str, Any] | None = None,
+    wall_seconds: float | None = None,
+) -> dict[str, Any]:
+    """The part of a metrics line every algorithm has, from its stage graph: ``compute_s`` (the
+    sum of ``compute``, the seconds inside actor calls, plus the refit's), ``<stage>_s`` of each
+    stage, ``refit_s``/``refit_mb``, ``checkpoint_s``, the validation's ``val_figures`` and
+    ``val_s``, ``stages_s``, ``<stage>_attempts`` of the stages retried on actor faults and of
+    the step's actions that ran, ``step_s`` and ``orchestration_s``."""
+    get = lambda stage, key: (manifests.get(stage) or {}).get(key)  # noqa: E731
+    row: dict[str, Any] = {}
+    parts = [*compute, (refit or {}).get("seconds")]
+    row["compute_s"] = sum(c for c in parts if c is not None) if any(c is not None for c in parts) else None
     total = 0.0
-    for name, stage in STAGE_SECONDS.items():
-        s = get(stage, "seconds")
-        row[f"{name}_s"] = s
-        total += s or 0.0
+    for spec in graph.stages:
+        sec = get(spec.output, "seconds")
+        row[f"{spec.key}_s"] = sec
+        total += sec or 0.0
     if refit is not None:
         row["refit_s"] = refit.get("seconds")
         if refit.get("bytes") is not None:
@@ -192,20 +220,19 @@ def build_step_metrics(
         row["checkpoint_s"] = checkpoint.get("seconds")
         total += checkpoint.get("seconds") or 0.0
     if val is not None:
-        row["val_accuracy"] = val.get("val_accuracy")
-        if val.get("val_turns_mean") is not None:  # a multi-turn environment's episodes
-            row["val_turns_mean"] = val["val_turns_mean"]
+        row.update(val_figures or {})
         row["val_s"] = val.get("seconds")
     row["stages_s"] = total
-    for name, stage in STAGE_ATTEMPTS.items():
-        row[f"{name}_attempts"] = _attempts(manifests.get(stage))
+    for spec in graph.stages:
+        if spec.retried:
+            row[f"{spec.key}_attempts"] = _attempts(manifests.get(spec.output))
     for name, result in (("refit", refit), ("checkpoint", checkpoint), ("val", val)):
         if result is not None:
             row[f"{name}_attempts"] = _attempts(result)
     if wall_seconds is not None:
         row["step_s"] = wall_seconds
         row["orchestration_s"] = orchestration_seconds(wall_seconds, row)
-    return {k: _clean(v) for k, v in row.items()}
+    return row
 
 
 def orchestration_seconds(step_s: float, row: Mapping[str, Any]) -> float | None:
@@ -259,11 +286,13 @@ def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any]
 
 
 def repair_metrics(
-    layout: Any, last: int, storage_options: dict[str, Any] | None = None, *, log: Any = None
+    layout: Any, last: int, storage_options: dict[str, Any] | None = None, *,
+    rebuild: Callable[[Any, int, dict[str, Any] | None], dict[str, Any]] | None = None, log: Any = None,
 ) -> list[int]:
     """Make ``metrics.jsonl`` hold one valid line for each of steps ``1..last``: drop damaged
-    lines (warning with file and line number) and rebuild the missing ones
-    (:func:`rebuild_step_metrics`); rewrite the file atomically when anything changed.
+    lines (warning with file and line number) and rebuild the missing ones (``rebuild``: the run's
+    algorithm's, GRPO's :func:`rebuild_step_metrics` by default); rewrite the file atomically when
+    anything changed.
 
     Returns the steps rebuilt. The caller passes the trained steps whose line it will not write
     itself (the flow runs the last trained step again, which writes that line)."""
@@ -275,7 +304,7 @@ def repair_metrics(
     if not lost and not bad:
         return []
     for s in lost:
-        rows[s] = rebuild_step_metrics(layout, s, storage_options)
+        rows[s] = (rebuild or rebuild_step_metrics)(layout, s, storage_options)
     _write(uri, rows, storage_options)
     if lost:
         log.warning(

@@ -174,29 +174,32 @@ def line_plot_png(series: Sequence[Series], *, x_label: str, y_label: str, x_ran
 
 
 def plot_png(rewards: Sequence[float | None], evals: Sequence[tuple[int, float]] = (), steps: int | None = None,
-             *, first_step: int = 1) -> bytes:
-    """The run summary's plot: ``rewards`` (one per step from ``first_step``, ``None`` for a gap),
-    their moving average and ``evals`` (``(index into rewards, accuracy)``); ``steps``: how many
-    steps the x axis spans (default ``len(rewards)``)."""
+             *, first_step: int = 1, label: str = "reward", eval_label: str = "eval accuracy") -> bytes:
+    """The run summary's plot: ``rewards`` (one per step from ``first_step``, ``None`` for a gap;
+    ``label``: what they are, e.g. a DPO run's pair accuracy), their moving average and ``evals``
+    (``(index into rewards, figure)``, ``eval_label``); ``steps``: how many steps the x axis spans
+    (default ``len(rewards)``)."""
     width = SIZE[0] - _LEFT - _RIGHT
     vals = _finite(rewards)
     n = max(len(vals), 1)
     window = max(2, min(10, n // 5))  # a moving average of at least 2 steps (of 1 it is the curve itself)
     stride = n / max(min(n, width), 1)  # bucketed: the x of bucket b is its middle step
     xs = [first_step + (b + 0.5) * stride - 0.5 for b in range(min(n, width))] if n > width else [first_step + i for i in range(n)]
-    series = [Series("reward", list(zip(xs, bucket_means(vals, width))), LIGHT_BLUE, width=1)]
+    series = [Series(label, list(zip(xs, bucket_means(vals, width))), LIGHT_BLUE, width=1)]
     if n >= 4:
-        series.append(Series(f"reward, mean of {window}", list(zip(xs, bucket_means(moving_average(vals, window), width))), BLUE))
+        series.append(Series(f"{label}, mean of {window}", list(zip(xs, bucket_means(moving_average(vals, window), width))), BLUE))
     if evals:
-        series.append(Series("eval accuracy", [(first_step + i, _finite([a])[0]) for i, a in evals], RED, dots=True))
+        series.append(Series(eval_label, [(first_step + i, _finite([a])[0]) for i, a in evals], RED, dots=True))
     last = first_step + max(steps or n, 1) - 1
-    return line_plot_png(series, x_label="step", y_label="reward / accuracy", x_range=(first_step, max(last, first_step + 1)))
+    y_label = "reward / accuracy" if (label, eval_label) == ("reward", "eval accuracy") else f"{label} / {eval_label}"
+    return line_plot_png(series, x_label="step", y_label=y_label, x_range=(first_step, max(last, first_step + 1)))
 
 
 def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def plot_data_uri(rewards: Sequence[float | None], evals: Sequence[tuple[int, float]] = (), *, first_step: int = 1) -> str:
+def plot_data_uri(rewards: Sequence[float | None], evals: Sequence[tuple[int, float]] = (), *, first_step: int = 1,
+                  label: str = "reward", eval_label: str = "eval accuracy") -> str:
     """``data:image/png;base64,...`` of :func:`plot_png`."""
-    return png_data_uri(plot_png(rewards, evals, first_step=first_step))
+    return png_data_uri(plot_png(rewards, evals, first_step=first_step, label=label, eval_label=eval_label))

@@ -23,11 +23,31 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flows.observe.plot import bucket_means
 
-__all__ = ["CURVE_WIDTH", "HISTORY_ROWS", "TABLE_WINDOW", "history_markdown", "metrics_window", "sparkline", "summary_markdown"]
+__all__ = ["CURVE_WIDTH", "GRPO_FIELDS", "HISTORY_ROWS", "TABLE_WINDOW", "SummaryFields", "history_markdown", "metrics_window",
+           "sparkline", "summary_markdown"]
+
+
+@dataclass(frozen=True)
+class SummaryFields:
+    """What the summary and its plot show of an algorithm's metrics lines (its recipe's ``summary``)."""
+
+    #: the per-step curve (a metrics key) and its label, e.g. ``reward_mean`` / ``reward``
+    curve: str = "reward_mean"
+    curve_label: str = "reward"
+    #: the held-out figure of validation steps and its label, e.g. ``val_accuracy`` / ``eval accuracy``
+    eval_metric: str = "val_accuracy"
+    eval_label: str = "eval accuracy"
+    #: whether a higher curve is better (its "best" row)
+    higher_is_better: bool = True
+
+
+#: GRPO's (and the default) summary fields
+GRPO_FIELDS = SummaryFields()
 
 #: points of a text curve at most (older steps are averaged into buckets)
 CURVE_WIDTH = 60
@@ -106,17 +126,20 @@ def summary_markdown(
     links: Mapping[str, str] | None = None,
     plot: bool = True,
     history: Sequence[Mapping[str, Any]] = (),
+    fields: SummaryFields = GRPO_FIELDS,
 ) -> str:
     """The summary of a run from its metrics lines and checkpoints (see the module docstring);
     ``plot``: the PNG plot of :mod:`flows.observe.plot` (inline, as a data URI), else text curves; ``history``:
-    the run's flows (:func:`history_markdown`)."""
+    the run's flows (:func:`history_markdown`); ``fields``: which figures of the lines it shows (the
+    run's algorithm's)."""
     if not rows:
         return f"# Run `{run_id}`\n\nno step finished yet (0 of {max_steps}).\n"
     last = rows[-1]
     step = int(last["step"])
-    rewards = [r.get("reward_mean") for r in rows]
+    name, ev = fields.curve_label, fields.eval_label
+    rewards = [r.get(fields.curve) for r in rows]
     known = [(r, int(row["step"])) for r, row in zip(rewards, rows) if r is not None]
-    best_reward = max(known) if known else None
+    best_reward = (max if fields.higher_is_better else min)(known) if known else None
     times = [float(r["step_s"]) for r in rows[-20:] if r.get("step_s") is not None]
     per_step = statistics.median(times) if times else None
     eta = per_step * (max_steps - step) if per_step is not None else None
@@ -125,15 +148,16 @@ def summary_markdown(
         "",
         "| | |",
         "|---|---|",
-        f"| reward (latest) | {_fmt(last.get('reward_mean'))} |",
-        f"| reward (best) | {_fmt(best_reward[0]) + f' at step {best_reward[1]}' if best_reward else 'n/a'} |",
+        f"| {name} (latest) | {_fmt(last.get(fields.curve))} |",
+        f"| {name} (best) | {_fmt(best_reward[0]) + f' at step {best_reward[1]}' if best_reward else 'n/a'} |",
         f"| loss (latest) | {_fmt(last.get('loss'), '.4f')} |",
         f"| time per step | {_fmt(per_step, '.2f')} s (median of the last {len(times)}) |",
         f"| ETA | {_duration(eta)} |",
     ]
-    evals = [(r.get("val_accuracy"), int(r["step"])) for r in rows if r.get("val_accuracy") is not None]
+    evals = [(r.get(fields.eval_metric), int(r["step"])) for r in rows if r.get(fields.eval_metric) is not None]
     if evals:
-        lines.append(f"| eval accuracy (latest, best) | {_fmt(evals[-1][0])}, {_fmt(max(evals)[0])} at step {max(evals)[1]} |")
+        best_eval = (max if fields.higher_is_better else min)(evals)
+        lines.append(f"| {ev} (latest, best) | {_fmt(evals[-1][0])}, {_fmt(best_eval[0])} at step {best_eval[1]} |")
     if checkpoints:
         lines.append(f"| last checkpoint | step {checkpoints[-1][0]}: `{checkpoints[-1][1]}` |")
         scored = {int(r["step"]): r.get(metric_name) for r in rows if r.get(metric_name) is not None}
@@ -144,14 +168,14 @@ def summary_markdown(
     for name, url in (links or {}).items():  # tracker runs: a link, or where the files are
         lines.append(f"| {name} | {f'[{url}]({url})' if url.startswith(('http://', 'https://')) else f'`{url}`'} |")
     if not plot:  # text curves (Prefect's UI draws these blocks poorly: the plot replaces them there)
-        lines += ["", f"reward, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
+        lines += ["", f"{name}, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
         if evals:
-            lines.append(f"eval accuracy at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
+            lines.append(f"{ev} at {len(evals)} evaluation(s): `{sparkline([e[0] for e in evals])}`")
     else:
         from flows.observe.plot import plot_data_uri
 
         index = {int(r["step"]): i for i, r in enumerate(rows)}
-        uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals], first_step=int(rows[0]["step"]))
-        lines += ["", f"![reward per step, its moving average and eval accuracy, steps {rows[0]['step']}..{step}]({uri})"]
+        uri = plot_data_uri(rewards, [(index[s], v) for v, s in evals], first_step=int(rows[0]["step"]), label=name, eval_label=ev)
+        lines += ["", f"![{name} per step, its moving average and {ev}, steps {rows[0]['step']}..{step}]({uri})"]
     lines += history_markdown(history)
     return "\n".join(lines) + "\n"

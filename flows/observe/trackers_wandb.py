@@ -70,8 +70,8 @@ def wandb_records(path: str) -> Iterator[Any]:
         if left < _HEADER:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
-        if kind == 0:  # zero fill (preallocated or padded)
+        _crc, length, record_type = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if record_type == 0:  # zero fill (preallocated or padded)
             pos += left
             continue
         chunk = data[pos + _HEADER : pos + _HEADER + length]

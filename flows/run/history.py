@@ -46,8 +46,9 @@ def attempt_kind(previous: Mapping[str, Any], flow_run_id: str | None, *, max_st
     return "extend" if isinstance(before, int) and max_steps > before else "resume"
 
 
-def flow_run_name(run_id: str, kind: str, attempt: int) -> str:
-    return run_id if kind == "start" else f"{run_id}-{kind}-{attempt}"
+def flow_run_name(run_id: str, what: str, attempt: int) -> str:
+    """``<run_id>`` for the run's first flow, ``<run_id>-<what>-<attempt>`` for the others (``what``: :func:`attempt_kind`)."""
+    return run_id if what == "start" else f"{run_id}-{what}-{attempt}"
 
 
 def refused_name(run_id: str) -> str:

@@ -34,14 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from nrl_tasks.run_layout import DATA_STAGES, RunLayout
+from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages import graph
 from nrl_tasks.stages.errors import DamagedRunError
-from nrl_tasks.stages.graph import STAGES, dependants
+from nrl_tasks.stages.graph import GRPO_GRAPH, StageGraph
 from nrl_tasks.stages.resume_plan import read_run_facts
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nrl_tasks.config.master import MasterConfig
 
 __all__ = [
     "DATASET_STAGE",
@@ -50,44 +47,44 @@ __all__ = [
     "DamagedRunError",
     "apply_recompute",
     "check_resume_data",
-    "dpo_repairs",
     "find_damaged",
+    "own_datasets",
     "parse_recompute",
-    "check_recompute_config",
     "plan_recompute",
+    "recompute_names",
+    "remake_damaged",
     "resume_window",
 ]
 
-#: dataset name -> the ``--recompute`` stage that makes it (from the stage graph)
+def recompute_names(g: StageGraph) -> dict[str, tuple[str, ...]]:
+    """``--recompute`` names of graph ``g`` (stage or dataset names, and ``val``/``validate``) ->
+    the datasets they delete in a step not trained yet: the stage's output and everything that
+    reads it."""
+    return {**{s.name: g.dependants(s.name) for s in g.stages}, **{s.output: g.dependants(s.name) for s in g.stages},
+            "val": ("val",), "validate": ("val",)}
+
+
+def own_datasets(g: StageGraph, name: str) -> tuple[str, ...]:
+    """The dataset ``--recompute name`` deletes in a trained step (nothing downstream)."""
+    return ("val",) if name in ("val", "validate") else (g.spec(name).output,)
+
+
+#: dataset name -> the ``--recompute`` stage that makes it (GRPO's stage graph)
 DATASET_STAGE: dict[str, str] = dict(graph.DATASET_STAGE)
-
-#: ``--recompute`` stage or dataset name -> its own dataset, for trained steps (nothing downstream)
-_OWN: dict[str, tuple[str, ...]] = {
-    **{s.name: (s.output,) for s in graph.STAGES if s.name != "train"},
-    **{s.output: (s.output,) for s in graph.STAGES if s.name != "train"},
-    "val": ("val",),
-    "validate": ("val",),
-}
+#: GRPO's ``--recompute`` names (:func:`recompute_names`)
+RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = recompute_names(GRPO_GRAPH)
 
 
-#: ``--recompute`` stage names (task or dataset names) -> datasets to delete in that step: the
-#: stage's output and everything that reads it (from the stage graph).
-RECOMPUTE_ALIASES: dict[str, tuple[str, ...]] = {
-    **{s.name: dependants(s.name) for s in STAGES},
-    **{s.output: dependants(s.name) for s in STAGES},
-    "val": ("val",),
-    "validate": ("val",),
-}
-
-
-def parse_recompute(specs: list[str] | None) -> list[tuple[str, int]]:
-    """``["generate@3"]`` -> ``[("generate", 3)]``; ``ValueError`` naming a bad item."""
+def parse_recompute(specs: list[str] | None, g: StageGraph = GRPO_GRAPH) -> list[tuple[str, int]]:
+    """``["generate@3"]`` -> ``[("generate", 3)]``; ``ValueError`` naming a bad item (``g``: the
+    run's stage graph, whose stage and dataset names the items use)."""
+    names = recompute_names(g)
     out = []
-    for spec in specs or []:
-        stage, sep, step = str(spec).partition("@")
-        if not sep or stage not in RECOMPUTE_ALIASES or not step.isdigit() or int(step) < 1:
+    for item in specs or []:
+        stage, sep, step = str(item).partition("@")
+        if not sep or stage not in names or not step.isdigit() or int(step) < 1:
             raise ValueError(
-                f"--recompute {spec!r}: expected STAGE@STEP with STAGE one of {sorted(RECOMPUTE_ALIASES)} and STEP >= 1"
+                f"--recompute {item!r}: expected STAGE@STEP with STAGE one of {sorted(names)} and STEP >= 1"
             )
         out.append((stage, int(step)))
     return out
@@ -100,29 +97,12 @@ class DamagedDataset:
     uri: str
     error: str
     trained: bool
+    #: the stage that makes it (its ``--recompute`` name)
+    stage: str = ""
 
     @property
     def recompute_item(self) -> str:
-        return f"{DATASET_STAGE.get(self.dataset, self.dataset)}@{self.step}"
-
-
-#: ``--recompute`` names refused with ``grpo.use_dynamic_sampling``: which groups a step trains on
-#: depends on its rewards, so these would need the step's generation batches recomputed too
-SAMPLED_NAMES = ("prompts", "generate", "rollouts", "score", "rewards")
-
-
-def check_recompute_config(specs: list[tuple[str, int]], cfg: MasterConfig) -> None:
-    """``ValueError`` for ``--recompute`` items the run's config does not allow (dynamic sampling:
-    :data:`SAMPLED_NAMES`)."""
-    if not cfg.grpo.use_dynamic_sampling:
-        return
-    bad = [f"{stage}@{step}" for stage, step in specs if stage in SAMPLED_NAMES]
-    if bad:
-        raise ValueError(
-            f"--recompute {', '.join(bad)}: with grpo.use_dynamic_sampling a step's prompts, rollouts and rewards "
-            "are chosen from its generation batches by their rewards; only logprobs, advantages, train and val can "
-            "be recomputed"
-        )
+        return f"{self.stage or self.dataset}@{self.step}"
 
 
 def _kw(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -143,18 +123,17 @@ def find_damaged(
     *,
     skip: Iterable[tuple[int, str]] = (),
     window: tuple[int, int] | None = None,
-    datasets: tuple[str, ...] = DATA_STAGES,
+    g: StageGraph = GRPO_GRAPH,
 ) -> list[DamagedDataset]:
     """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``;
-    ``window``: the :func:`resume_window`, when the caller has it; ``datasets``: a step's datasets,
-    GRPO's by default)."""
+    ``window``: the :func:`resume_window`, when the caller has it; ``g``: the run's stage graph)."""
     import storage
 
     anchor, last = window or resume_window(layout, storage_options)
     skip = set(skip)
     out = []
     for step in range(anchor + 1, last + 2):
-        for ds in datasets:
+        for ds in g.datasets:
             if (step, ds) in skip or (ds == "train" and step > last):
                 continue
             uri = layout.stage_uri(step, ds)
@@ -163,7 +142,7 @@ def find_damaged(
             try:
                 storage.load_batch(uri, verify=True, mmap=False, **_kw(storage_options))
             except (ValueError, OSError) as exc:  # CorruptDatasetError, MissingShardError, unreadable files
-                out.append(DamagedDataset(step, ds, uri, f"{type(exc).__name__}: {exc}", step <= last))
+                out.append(DamagedDataset(step, ds, uri, f"{type(exc).__name__}: {exc}", step <= last, g.dataset_stage[ds]))
     return out
 
 
@@ -198,24 +177,23 @@ def check_resume_data(
     *,
     skip: Iterable[tuple[int, str]] = (),
     window: tuple[int, int] | None = None,
+    g: StageGraph = GRPO_GRAPH,
 ) -> None:
     """Raise :class:`DamagedRunError` if a dataset a resume reads is damaged (see the module docstring)."""
-    damaged = find_damaged(layout, storage_options, skip=skip, window=window)
+    damaged = find_damaged(layout, storage_options, skip=skip, window=window, g=g)
     if damaged:
         raise DamagedRunError(damage_message(layout, damaged))
 
 
-def dpo_repairs(
-    cfg: MasterConfig, layout: RunLayout, storage_options: dict[str, Any] | None = None, *, window: tuple[int, int]
+def remake_damaged(
+    layout: RunLayout, storage_options: dict[str, Any] | None, *, window: tuple[int, int], g: StageGraph,
+    skip: Iterable[tuple[int, str]] = (), snapshot: str | None = None,
 ) -> tuple[str, ...]:
-    """The damaged datasets a DPO resume reads that it deletes and makes again (see the module
-    docstring; ``window``: :func:`resume_window`): the frozen pairs, then each step's ``pairs`` and
-    ``reference``. :class:`DamagedRunError` naming the file when one cannot be made again."""
-    from nrl_tasks.stages.dpo import DPO_DATASETS
-    from nrl_tasks.stages.preferences import snapshot_repair
-
-    snapshot = snapshot_repair(layout, cfg, storage_options)
-    damaged = find_damaged(layout, storage_options, window=window, datasets=DPO_DATASETS)
+    """The damaged datasets a resume reads that it deletes and makes again, for a run whose step
+    inputs are the same bytes whenever they are made (DPO, SFT: drawn from the run's frozen data,
+    no sampling): ``snapshot`` (a damaged frozen copy its source can rebuild), then each step's
+    datasets before ``train``. :class:`DamagedRunError` naming the file when a ``train`` is damaged."""
+    damaged = find_damaged(layout, storage_options, window=window, g=g, skip=skip)
     lost = [d for d in damaged if d.dataset == "train"]
     if lost:
         raise DamagedRunError(damage_message(layout, lost))
@@ -228,8 +206,10 @@ def plan_recompute(
     storage_options: dict[str, Any] | None = None,
     *,
     window: tuple[int, int] | None = None,
+    g: StageGraph = GRPO_GRAPH,
 ) -> list[tuple[int, str]]:
     """``(step, dataset)`` pairs that ``specs`` delete; ``ValueError`` for a refused item."""
+    names = recompute_names(g)
     anchor, last = window or resume_window(layout, storage_options)
     plan: list[tuple[int, str]] = []
     for stage, step in specs:
@@ -251,9 +231,9 @@ def plan_recompute(
                     f"--recompute {stage}@{step}: step {step} is covered by the checkpoint of step {anchor}; resume "
                     "never reads its batches and the weights that produced them are not restored, so it cannot be recomputed"
                 )
-            plan += [(step, ds) for ds in _OWN[stage]]
+            plan += [(step, ds) for ds in own_datasets(g, stage)]
         else:
-            plan += [(step, ds) for ds in RECOMPUTE_ALIASES[stage]]
+            plan += [(step, ds) for ds in names[stage]]
     return list(dict.fromkeys(plan))
 
 

@@ -3,10 +3,11 @@
 :func:`recover` probes the actors, asks :func:`~nrl_tasks.stages.resume_plan.plan_resume` what to
 do and :func:`execute_plan` does it, in the plan's order: re-create dead actor groups, uncommit
 damaged checkpoints, restore the anchor checkpoint (or the initial weights), replay the ``train``
-of each later step from its persisted batches (recomputing its missing datasets first with the
-step's own lanes, :mod:`flows.algorithms.lanes`, the generation workers refitted to that step's weights;
-a discarded checkpoint is saved anew once its step is replayed), then refit the
-generation workers to the run's version. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
+of each later step from its persisted batches (the run's recipe's one update,
+:class:`flows.run.recipe.Recipe`; its missing datasets made again first by the recipe's own
+stages, the generation workers refitted to that step's weights; a discarded checkpoint is saved
+anew once its step is replayed), then refit the generation workers, when the recipe has them, to
+the run's version. Nothing here names an algorithm: what differs is the recipe's. It runs at the start of every run (a resume, a Prefect retry, a fresh run: then it
 finds nothing to do) and after every actor fault.
 
 **Restore verification.** Before a plan restores a checkpoint, :func:`recover` reads the facts
@@ -24,9 +25,9 @@ last trained one from the committed datasets (:func:`flows.observe.metrics.repai
 trained step runs again and writes its own).
 
 :func:`run_step` runs one step's subflow; when a stage fails on an actor fault it waits the
-stage's retry delay, recovers and runs the step again (its committed stages skip), at most
-``grpo.stage_retries`` times per stage and step (``grpo.refit.retries`` for the refit, which is
-retried on any failure but a metadata mismatch). Recovery is never inside a task and no task
+stage's retry delay, recovers and runs the step again (its committed stages skip), at most as
+often per stage and step as the recipe's retry settings say (GRPO: ``grpo.stage_retries``,
+``grpo.refit.retries`` for the refit, which is retried on any failure but a metadata mismatch). Recovery is never inside a task and no task
 retries inside another: the flow decides, in one place.
 """
 
@@ -35,25 +36,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 from prefect.utilities.annotations import quote
 
+import storage
+from flows.config import MasterConfig
+from flows.observe.metrics import repair_metrics
 from flows.run.hints import resume_command
+from flows.run.recipe import Recipe, Retries
 from flows.run.runtime import recreate_generation, recreate_policy
+from nrl_tasks.config.hash import config_hash
+from nrl_tasks.stages.checkpoint import (
+    checkpoint_info, discard_checkpoint, has_optimizer_state, restore_checkpoint, save_checkpoint,
+)
 from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext
-from nrl_tasks.stages.errors import exception_chain, is_actor_fault
-from nrl_tasks.stages.graph import RETRIED_STAGES, STAGES
+from nrl_tasks.stages.errors import MissingOptimizerStateError, exception_chain, is_actor_fault
+from nrl_tasks.stages.graph import RETRIED_STAGES
 from nrl_tasks.stages.health import probe_actors
+from nrl_tasks.stages.refit import refit
 from nrl_tasks.stages.refs import StepRefs
-from nrl_tasks.stages.resume_plan import ResumePlan, grpo_facts_options, plan_resume, read_run_facts
-from nrl_tasks.utils.refit import checksum_algorithm
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from nrl_tasks.config.master import MasterConfig
+from nrl_tasks.stages.resume_plan import ResumePlan, plan_resume, read_run_facts
+from nrl_tasks.stages.train import replay_train
+from nrl_tasks.utils.refit import RefitMismatchError, checksum_algorithm
 
 __all__ = ["RetryBudget", "execute_plan", "recover", "recover_after", "run_step"]
 
@@ -70,7 +78,8 @@ def _logger() -> Any:
 
 
 def execute_plan(
-    run: RunContext, plan: ResumePlan, *, log: Any = None, verified: bool = False, optimizer_required: bool = False
+    run: RunContext, plan: ResumePlan, recipe: Recipe, *, log: Any = None, verified: bool = False,
+    optimizer_required: bool = False,
 ) -> dict[str, Any]:
     """Carry out ``plan`` on the run's actors (see the module docstring); what was done.
 
@@ -79,18 +88,13 @@ def execute_plan(
     checkpoint and its step recorded. ``optimizer_required``: training follows the restore, so a
     checkpoint without optimizer state is a ``MissingOptimizerStateError`` naming ``checkpointing.save_optimizer``
     (training on would silently differ from an uninterrupted run)."""
-    from flows.algorithms.lanes import data_stages
-    from nrl_tasks.stages.checkpoint import discard_checkpoint, restore_checkpoint
-    from nrl_tasks.stages.refit import refit
-    from nrl_tasks.stages.train import replay_train
-
     log = log or _logger()
     if not plan.touches_actors:
         return {"restored_from": "live", "replayed": [], "recomputed": {}}
     log.info("recovery: %s", plan.describe())
     # what the next commit of every stage records (recomputed datasets below included)
     note = {"recovered": True, "replayed": ",".join(map(str, plan.replay))}
-    run.recovery_notes = {spec.name: dict(note) for spec in STAGES}
+    run.recovery_notes = {spec.name: dict(note) for spec in recipe.graph.stages}
     actors = run.actors
     if plan.recreate_generation:
         recreate_generation(actors, "a worker is dead or does not answer", log)
@@ -113,15 +117,15 @@ def execute_plan(
             log.info("restored checkpoint %s (weights version %d)", restored, int(info["step"]))
     held = plan.restore_from if plan.restore_from is not None else plan.target
     for s in (*plan.replay, None):  # the policy holds version ``held`` here
-        _generate_on(run, plan, held, log)
+        _generate_on(run, plan, recipe, held, log)
         if s is None:
             break
         t = time.perf_counter()
         if s in plan.recompute:
             log.warning("recomputing %s of trained step %d before replaying it", list(plan.recompute[s]), s)
-            data_stages(run.step(s), s - 1, generation_version=plan_generation_version(plan, s))
+            recipe.recompute(run, s, plan_generation_version(plan, s))
         try:
-            replay_train(run, s)
+            replay_train(run, s, recipe.graph.replay_inputs, recipe.train_once)
         except RuntimeError as exc:
             if unlisted and s == plan.replay[0] and not is_actor_fault(exc):
                 # the optimizer and RNG states of a checkpoint without file manifest were not
@@ -135,7 +139,7 @@ def execute_plan(
         held = s
         if s in plan.discard:  # the policy holds that step's weights again: write its checkpoint anew
             _resave_checkpoint(run, s, log)
-    if plan.refit:
+    if plan.refit and recipe.actors.generation:
         refit(quote(run.step(plan.target)), None, plan.target, force=True)
     return {"restored_from": restored, "replayed": list(plan.replay), "recomputed": dict(plan.recompute)}
 
@@ -145,9 +149,6 @@ def _check_optimizer_restored(run: RunContext, uri: str, info: dict[str, Any]) -
     held no optimizer state: the steps trained on would differ from an uninterrupted run's without
     saying so. The run stops; ``nrl resume RUN --fresh-optimizer`` continues it, recorded
     (:func:`flows.run.start.check_optimizer_state`)."""
-    from nrl_tasks.stages.checkpoint import has_optimizer_state
-    from nrl_tasks.stages.errors import MissingOptimizerStateError
-
     if has_optimizer_state(uri, info, run.storage_options):
         return
     raise MissingOptimizerStateError(
@@ -162,11 +163,6 @@ def _resave_checkpoint(run: RunContext, step: int, log: Any) -> None:
     """Save the checkpoint of ``step`` again (it was discarded as damaged and its ``train`` was just
     replayed, verified against the recorded weights checksum when there is one): otherwise only the
     last trained step's checkpoint would ever be written anew, and an older damaged one stayed lost."""
-    import storage
-
-    from nrl_tasks.config.hash import config_hash
-    from nrl_tasks.stages.checkpoint import checkpoint_info, save_checkpoint
-
     uri = run.layout.checkpoint_uri(step)
     meta = storage.read_manifest(run.layout.stage_uri(step, "train"), **run.storage_kw).meta
     info = checkpoint_info(run, step, step, config_hash(run.cfg), meta.get("weights_checksum"))
@@ -181,19 +177,17 @@ def plan_generation_version(plan: ResumePlan, step: int) -> int:
     return next((v for v, steps in plan.generate_at.items() if step in steps), step - 1)
 
 
-def _generate_on(run: RunContext, plan: ResumePlan, version: int, log: Any) -> None:
-    """Run the generation lane (:func:`flows.algorithms.lanes.generation_lane`) of the steps ``plan``
-    generates on ``version``, the generation workers refitted to it first (the policy holds it now)."""
-    from flows.algorithms.lanes import generation_lane
-    from nrl_tasks.stages.refit import refit
-
+def _generate_on(run: RunContext, plan: ResumePlan, recipe: Recipe, version: int, log: Any) -> None:
+    """Run the recipe's stages before the policy's (``recipe.inputs``: GRPO's generation lane) of
+    the steps ``plan`` generates on ``version``, the generation workers refitted to it first (the
+    policy holds it now)."""
     steps = plan.generate_at.get(version, ())
     if not steps:
         return
     refit(quote(run.step(steps[0])), None, version, force=True)
     for s in steps:
         log.warning("generating the rollouts of step %d on weights version %d (its scheduled version)", s, version)
-        generation_lane(run.step(s), version)
+        recipe.inputs(run.step(s), version)
 
 
 def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: dict[str, Any], log: Any) -> None:
@@ -221,8 +215,8 @@ def _check_restored_weights(run: RunContext, plan: ResumePlan, uri: str, info: d
 
 
 def recover(
-    run: RunContext, max_step: int, *, force_refit: bool = False, policy_fresh: bool = False, log: Any = None,
-    fresh_optimizer_at: int | None = None,
+    run: RunContext, recipe: Recipe, max_step: int, *, force_refit: bool = False, policy_fresh: bool = False,
+    log: Any = None, fresh_optimizer_at: int | None = None,
 ) -> dict[str, Any]:
     """Probe, plan and execute: afterwards the policy holds the run's weights after its last
     trained step (at most ``max_step``) and the generation workers hold that version.
@@ -232,15 +226,14 @@ def recover(
     A plan that restores a checkpoint is made from facts with the checkpoints' files checked;
     a checkpoint found damaged by the restore (its loaded weights) is counted as such and the
     run planned again (see the module docstring)."""
-    from flows.observe.metrics import repair_metrics
-
     log = log or _logger()
     damaged: dict[int, str] = {}
-    ahead = grpo_facts_options(run.cfg)  # async GRPO: the steps generated ahead on older weights are facts too
+    ahead = recipe.facts_options(run.cfg)  # async GRPO: the steps generated ahead on older weights are facts too
     while True:
         facts = read_run_facts(run.layout, run.storage_options, max_step=max_step, damaged=damaged, **ahead)
         health = probe_actors(run.actors, target=facts.last_trained, policy_fresh=policy_fresh,
-                              checksum_algorithm=checksum_algorithm(facts.checksums.get(facts.last_trained)))
+                              checksum_algorithm=checksum_algorithm(facts.checksums.get(facts.last_trained)),
+                              with_generation=recipe.actors.generation)
         plan = plan_resume(facts, health, force_refit=force_refit)
         verified = False
         if plan.restore_from:  # about to load a checkpoint: check its files first
@@ -252,7 +245,7 @@ def recover(
         try:
             trains = bool(plan.replay) or facts.last_trained < max_step
             required = trains and plan.restore_from != fresh_optimizer_at
-            done = execute_plan(run, plan, log=log, verified=verified, optimizer_required=required)
+            done = execute_plan(run, plan, recipe, log=log, verified=verified, optimizer_required=required)
             break
         except CheckpointDamagedError as exc:
             if exc.step in damaged or exc.step != plan.restore_from:
@@ -260,27 +253,31 @@ def recover(
             log.warning("%s; planning the recovery again without it", exc)
             damaged[exc.step] = exc.problem
             policy_fresh = False  # the policy now holds the damaged checkpoint's weights
-    repair_metrics(run.layout, facts.last_trained - 1, run.storage_options, log=log)
+    repair_metrics(run.layout, facts.last_trained - 1, run.storage_options, rebuild=recipe.rebuild_line, log=log)
     return {"plan": plan, **done}
 
 
 class RetryBudget:
-    """Retries left per ``(step, stage)`` and the delay before each (the run's retry settings)."""
+    """Retries left per ``(step, stage)`` and the delay before each: ``retries`` (the run's retry
+    settings), ``retried``: the data stages an actor fault is worth a retry of (its recipe's graph)."""
 
-    def __init__(self, cfg: MasterConfig) -> None:
-        g = cfg.grpo
-        self._limits = {"refit": (int(g.refit.retries), _delays(g.refit.retry_delay_s))}
-        self._default = (int(g.stage_retries), _delays(g.stage_retry_delay_s))
+    def __init__(self, retries: Retries, retried: tuple[str, ...] = RETRIED_STAGES) -> None:
+        self._limits = {"refit": (int(retries.refit), [float(d) for d in retries.refit_delays])}
+        self._default = (int(retries.stage), [float(d) for d in retries.stage_delays])
+        self.retried = tuple(retried)
         self.used: dict[tuple[int, str], int] = {}
+
+    @classmethod
+    def for_run(cls, cfg: MasterConfig, recipe: Recipe) -> RetryBudget:
+        """The budget of a run of ``recipe`` with config ``cfg``."""
+        return cls(recipe.retries(cfg), recipe.graph.retried)
 
     def retryable(self, stage: str, exc: BaseException) -> bool:
         if any(not isinstance(e, Exception) for e in exception_chain(exc)):
             return False  # SIGINT/SIGTERM/SystemExit (user code, or Ray's handler): the process is told to stop
         if stage == "refit":
-            from nrl_tasks.utils.refit import RefitMismatchError
-
             return not any(isinstance(e, RefitMismatchError) for e in exception_chain(exc))
-        return (stage in RETRIED_STAGES or stage in _RETRIED_ACTIONS) and is_actor_fault(exc)
+        return (stage in self.retried or stage in _RETRIED_ACTIONS) and is_actor_fault(exc)
 
     def take(self, step: int, stage: str) -> float | None:
         """Use one retry of ``(step, stage)``: the delay to wait, ``None`` when none is left."""
@@ -292,13 +289,9 @@ class RetryBudget:
         return delays[min(n, len(delays)) - 1] if delays else 0.0
 
 
-def _delays(value: Any) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    return [float(v) for v in value]
-
-
-def recover_after(run: RunContext, exc: BaseException, budget: RetryBudget, *, step: int, max_step: int, log: Any = None) -> int:
+def recover_after(
+    run: RunContext, recipe: Recipe, exc: BaseException, budget: RetryBudget, *, step: int, max_step: int, log: Any = None,
+) -> int:
     """After ``exc`` failed ``step``: re-raise it unless the failed stage has a retry left for it;
     else wait the retry's delay and :func:`recover` the run (planning again, within the same
     budget, when recovery itself meets a fault). Returns the trained prefix recovered to."""
@@ -315,7 +308,7 @@ def recover_after(run: RunContext, exc: BaseException, budget: RetryBudget, *, s
     while True:
         run.last_failure = None
         try:
-            return int(recover(run, max_step, log=log)["plan"].target)
+            return int(recover(run, recipe, max_step, log=log)["plan"].target)
         except BaseException as again:
             where = run.last_failure or (step, where[1])
             delay = budget.take(*where) if budget.retryable(where[1], again) else None
@@ -325,7 +318,9 @@ def recover_after(run: RunContext, exc: BaseException, budget: RetryBudget, *, s
             time.sleep(delay)
 
 
-def run_step(run: RunContext, step: int, call: Callable[[int], StepRefs], budget: RetryBudget, *, log: Any = None) -> StepRefs:
+def run_step(
+    run: RunContext, recipe: Recipe, step: int, call: Callable[[int], StepRefs], budget: RetryBudget, *, log: Any = None,
+) -> StepRefs:
     """``call(attempt)`` (the step's subflow) until it succeeds, recovering after each actor fault."""
     log = log or _logger()
     attempt = 1
@@ -334,5 +329,5 @@ def run_step(run: RunContext, step: int, call: Callable[[int], StepRefs], budget
         try:
             return call(attempt)
         except BaseException as exc:
-            recover_after(run, exc, budget, step=step, max_step=step, log=log)
+            recover_after(run, recipe, exc, budget, step=step, max_step=step, log=log)
         attempt += 1

@@ -185,24 +185,27 @@ def plan_retention(
 # ----------------------------------------------------------------------------------------------
 # applying a plan to storage
 
-def _step_has_batches(layout: RunLayout, step: int, opts: dict[str, Any] | None) -> bool:
+def _step_has_batches(layout: RunLayout, step: int, opts: dict[str, Any] | None, prunable: tuple[str, ...]) -> bool:
     from storage import fs
 
     uri = layout.step_uri(step)
     if not fs.exists(uri, storage_options=opts):
         return False
     names = {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.list_dir(uri, storage_options=opts)}
-    return any(s in names for s in (*PRUNABLE_STAGES, GEN_BATCHES_DIR))
+    return any(s in names for s in (*prunable, GEN_BATCHES_DIR))
 
 
-def delete_step_batches(layout: RunLayout, step: int, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Delete the prunable datasets of ``step`` (manifest first); returns the URIs deleted."""
+def delete_step_batches(
+    layout: RunLayout, step: int, storage_options: dict[str, Any] | None = None, prunable: tuple[str, ...] = PRUNABLE_STAGES,
+) -> list[str]:
+    """Delete the prunable datasets of ``step`` (``prunable``: the step's datasets before ``train``
+    in its algorithm's stage graph; manifest first); returns the URIs deleted."""
     import storage
     from storage import fs
 
     kw = {"storage_options": storage_options} if storage_options else {}
     out = []
-    for stage in PRUNABLE_STAGES:
+    for stage in prunable:
         uri = layout.stage_uri(step, stage)
         if fs.exists(uri, storage_options=storage_options):
             storage.delete_batch(uri, **kw)
@@ -275,8 +278,10 @@ def apply_retention(
     storage_options: dict[str, Any] | None = None,
     *,
     pruned: set[int] | None = None,
+    prunable: tuple[str, ...] = PRUNABLE_STAGES,
 ) -> dict[str, Any]:
-    """Plan and carry out retention for a run after step ``last_trained`` has finished.
+    """Plan and carry out retention for a run after step ``last_trained`` has finished
+    (``prunable``: a step's datasets before ``train``, its algorithm's; GRPO's by default).
 
     Returns ``{"anchor", "deleted_steps", "deleted_checkpoints", "kept_checkpoints",
     "held_checkpoints"}`` (held: planned for deletion but held by a reader, so kept this time).
@@ -299,7 +304,7 @@ def apply_retention(
         for s in existing_steps(layout, storage_options):
             if s in pruned or s > last_trained - policy.keep_last_k_steps:
                 continue
-            if _step_has_batches(layout, s, storage_options):
+            if _step_has_batches(layout, s, storage_options, prunable):
                 candidates.append(s)
             else:
                 pruned.add(s)
@@ -311,7 +316,7 @@ def apply_retention(
     for s in plan.delete_checkpoints:
         (deleted_ck if delete_unheld_checkpoint(layout, s, ck_uri[s], storage_options) else held_ck).append(s)
     for s in plan.delete_steps:
-        delete_step_batches(layout, s, storage_options)
+        delete_step_batches(layout, s, storage_options, prunable)
         pruned.add(s)
     if plan.delete_steps or deleted_ck:
         logger.info(

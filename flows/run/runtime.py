@@ -22,8 +22,10 @@ from typing import Any, Callable
 
 from flows.config import MasterConfig
 from flows.run.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
+from flows.run.recipe import Actors
 from nrl_tasks.run_layout import RunLayout, namespace_for
 from nrl_tasks.stages.context import Observers, RunContext
+from nrl_tasks.stages.graph import GRPO_GRAPH, StageGraph
 
 __all__ = [
     "Runtime",
@@ -67,7 +69,7 @@ class Runtime:
     generation_attached: bool = False
     #: session directory of the local Ray that :func:`setup_runtime` started for this run
     ray_session_dir: str | None = None
-    #: prompt snapshots taken by :func:`setup_runtime` (``{"train": [...]}``)
+    #: the run's data snapshots (``{"train": [...]}``), taken by its recipe before Ray started
     records: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ actors
@@ -246,36 +248,38 @@ def setup_runtime(
     cfg: MasterConfig,
     run_id: str,
     *,
-    with_actors: bool = True,
+    actors: Actors = Actors(generation=True, reward_model=True, environment=True),
+    records: dict[str, list[dict[str, str]]] | None = None,
+    tokenizer: Any = None,
     on_connect: Callable[[Runtime], None] | None = None,
 ) -> Runtime:
-    """Connect Ray, load the tokenizer, attach to or create the run's actors.
+    """Connect Ray, attach to or create the run's policy and the ``actors`` its recipe uses
+    (generation workers, the reward model and the environment when the config has them).
 
-    With actors, the run's train data snapshot is taken first (``rt.records["train"]``): bad
-    prompt files fail here, before Ray is touched. ``on_connect(rt)`` runs once Ray is up, before
-    any actor (``rt.ray_session_dir`` is set when this call started a local Ray).
+    ``records``: the run's data snapshots, taken by its recipe before Ray is touched (so a bad
+    data file fails before anything starts); ``tokenizer``: the one already loaded (default: the
+    config's). ``on_connect(rt)`` runs once Ray is up, before any actor (``rt.ray_session_dir`` is
+    set when this call started a local Ray).
     """
     rt = Runtime(
         cfg=cfg,
         run_id=run_id,
         layout=RunLayout(cfg.storage.root, run_id),
         namespace=namespace_for(run_id),
-        tokenizer=load_tokenizer(cfg),
+        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(cfg),
+        records=dict(records or {}),
     )
-    if with_actors:
-        from nrl_tasks.stages.data import snapshot_records
-
-        opts = cfg.storage.storage_options or None
-        rt.records["train"] = snapshot_records(rt.layout, cfg, "train", rt.tokenizer, opts)
     fresh = not ray_connected()
     connect_ray(cfg, namespace=rt.namespace)
     rt.ray_session_dir = local_ray_session() if fresh else None
     if on_connect is not None:
         on_connect(rt)
-    if with_actors:
-        rt.start_policy()
+    rt.start_policy()
+    if actors.generation:
         rt.start_generation()
+    if actors.reward_model:
         rt.start_reward_model()
+    if actors.environment:
         rt.start_environment()
     return rt
 
@@ -288,9 +292,11 @@ def build_run_context(
     observers: Observers | None = None,
     *,
     records: dict[str, list[dict[str, str]]] | None = None,
+    graph: StageGraph = GRPO_GRAPH,
 ) -> RunContext:
     """The run's context (one per run; the flow passes it, per step, to every stage).
-    ``records``: prompt snapshots already taken (``{"train": [...]}``)."""
+    ``records``: data snapshots already taken (``{"train": [...]}``); ``graph``: the stage graph
+    of the run's algorithm."""
     run = RunContext(
         run_id=run_id,
         layout=RunLayout(cfg.storage.root, run_id),
@@ -298,6 +304,7 @@ def build_run_context(
         tokenizer=tokenizer,
         actors=actors,
         observers=observers or Observers(),
+        graph=graph,
     )
     for split, recs in (records or {}).items():
         run.remember_records(split, recs)

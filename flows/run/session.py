@@ -1,12 +1,12 @@
 """One run session: what every run does around its algorithm, written once.
 
-GRPO, DPO and the SFT warm start enter the same session, so each flow body is its algorithm::
+Every algorithm's run enters the same session, with its recipe (:mod:`flows.run.recipe`)::
 
-    with run_session(cfg, run_id, algorithm="dpo", intent=RunIntent(resume=resume)) as session:
-        pairs = snapshot_preferences(...)            # the algorithm's own checks, nothing written yet
+    with run_session(cfg, run_id, recipe=DPO, intent=RunIntent(resume=resume)) as session:
+        records = DPO.prepare(...)                  # the algorithm's own data, nothing written to the run yet
         with session.running(max_steps=N):          # status "running" ... "completed"
-            rt = session.start_runtime(with_actors=False)
-            run = session.context(rt)
+            rt = session.start_runtime()
+            run = session.context(records)
             ...                                      # the steps, fenced by session.fence()
 
 Entering the session (:func:`run_session`):
@@ -59,6 +59,7 @@ from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_
 from flows.run.history import attempt_kind, begin_attempt, end_attempt, flow_run_name, refused_name
 from flows.run.plugins import load_observers
 from flows.run.lease import check_fence, hold_run_lease
+from flows.run.recipe import Recipe
 from flows.run.process import (
     current_process, ephemeral_prefect_servers, flow_process_alive, reap_local_ray, reap_prefect_server, this_host,
 )
@@ -123,7 +124,7 @@ class RunSession:
 
     cfg: MasterConfig
     layout: RunLayout
-    algorithm: str
+    recipe: Recipe
     flow_run_id: str | None
     lease: Any
     config_hash: str
@@ -139,6 +140,11 @@ class RunSession:
     @property
     def run_id(self) -> str:
         return self.layout.run_id
+
+    @property
+    def algorithm(self) -> str:
+        """The run's kind (its recipe's)."""
+        return self.recipe.kind
 
     @property
     def storage_options(self) -> dict[str, Any] | None:
@@ -171,8 +177,10 @@ class RunSession:
             return False
         return False
 
-    def start_runtime(self, *, with_actors: bool = True) -> Runtime:
-        """Connect Ray and attach to or create the run's actors (:func:`flows.run.runtime.setup_runtime`);
+    def start_runtime(self, records: dict[str, list[dict[str, str]]] | None = None, tokenizer: Any = None) -> Runtime:
+        """Connect Ray and attach to or create the actors the run's recipe uses
+        (:func:`flows.run.runtime.setup_runtime`; ``records``: the data snapshots the recipe took,
+        ``tokenizer``: the one it took them with);
         the session directory of a local Ray it starts goes into ``status.json``."""
 
         def record_ray(rt: Runtime) -> None:
@@ -180,16 +188,17 @@ class RunSession:
                 self.fence()  # a fenced writer writes no status
                 write_status(self.layout, self.storage_options, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
 
-        self.runtime = setup_runtime(self.cfg, self.run_id, with_actors=with_actors, on_connect=record_ray)
+        self.runtime = setup_runtime(self.cfg, self.run_id, actors=self.recipe.actors, records=records,
+                                     tokenizer=tokenizer, on_connect=record_ray)
         return self.runtime
 
-    def context(self, records: dict[str, list[dict[str, str]]] | None = None) -> RunContext:
+    def context(self) -> RunContext:
         """The run's context on the started runtime, with the observer plug-ins (``NRL_PLUGINS``)."""
         rt = self.runtime
         if rt is None:
             raise RuntimeError("start_runtime() comes before context()")
-        run = build_run_context(self.cfg, self.run_id, rt, rt.tokenizer, load_observers(),
-                                records=rt.records if records is None else records)
+        run = build_run_context(self.cfg, self.run_id, rt, rt.tokenizer, load_observers(), records=rt.records,
+                                graph=self.recipe.graph)
         run.fence = self.fence  # every commit checks the lease first
         return run
 
@@ -285,7 +294,7 @@ def run_session(
     cfg: MasterConfig,
     run_id: str,
     *,
-    algorithm: str,
+    recipe: Recipe,
     intent: RunIntent = RunIntent(),
     configure: Callable[[MasterConfig], MasterConfig] | None = None,
     recompute: list[str] | None = None,
@@ -304,10 +313,10 @@ def run_session(
             existed = fs.exists(layout.config_uri, storage_options=opts)
             # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
             chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
-            start = plan_start(cfg, layout, algorithm=algorithm, resume=existed, recompute=recompute,
+            start = plan_start(cfg, layout, recipe=recipe, resume=existed, recompute=recompute,
                                fresh_optimizer=intent.fresh_optimizer)
         yield RunSession(
-            cfg=cfg, layout=layout, algorithm=algorithm, flow_run_id=fid, lease=lease, config_hash=chash,
+            cfg=cfg, layout=layout, recipe=recipe, flow_run_id=fid, lease=lease, config_hash=chash,
             previous=read_status(layout, opts) or {}, start=start, log=log or logger, intent=intent,
         )
     finally:

@@ -5,20 +5,24 @@ a dry run (``nrl resume`` prints the plan, or the reason it is refused, before a
 Ray starts); the run session (:mod:`flows.run.session`) calls it under the run's lease, after the
 run's ``config.yaml`` was created or its hash checked, and the flow acts on what it returns.
 
-For a run that is continued (``resume``; an SFT warm start whose run exists) it:
+Every algorithm goes through it the same way; what differs is asked of the run's recipe
+(:class:`flows.run.recipe.Recipe`). For a run that is continued it:
 
 1. checks the config against the run's saved hash (the refusal names the changed keys) and its
    length against the steps already trained (:func:`check_not_rewound`: a run is never rewound);
-2. checks the ``--recompute`` items: GRPO only, allowed by the config (dynamic sampling) and by
-   the run's resume window (:mod:`flows.run.recompute`), and lists the datasets they delete;
-3. checks every persisted dataset the resume reads (GRPO), skipping what is recomputed; DPO: lists
-   the damaged ones it makes again (:attr:`StartPlan.rebuild`, :func:`flows.run.recompute.dpo_repairs`);
+2. checks the ``--recompute`` items: names of the recipe's stage graph, allowed by the config
+   (``recipe.check_recompute``: GRPO's dynamic sampling) and by the run's resume window
+   (:mod:`flows.run.recompute`), and lists the datasets they delete;
+3. checks every persisted dataset the resume reads, skipping what is recomputed
+   (``recipe.repairs``): GRPO refuses a damaged one naming the ``--recompute`` that repairs it; DPO
+   and SFT, whose step inputs are the same bytes whenever made, list the damaged ones the flow
+   deletes and makes again (:attr:`StartPlan.rebuild`);
 4. reads the run's facts (:func:`~nrl_tasks.stages.resume_plan.read_run_facts`: trained prefix,
    checkpoints, the anchor) and plans the resume for actors that start fresh
    (:func:`~nrl_tasks.stages.resume_plan.plan_resume`): what a resumed flow does when the run's
    actors are gone. The flow then plans again with the actors it finds (live ones on a kept Ray
-   may be reused: :func:`flows.run.recovery.recover`); DPO restores its anchor and replays after it;
-5. refuses (GRPO and DPO) a resume that would train on from a checkpoint holding no optimizer state
+   may be reused: :func:`flows.run.recovery.recover`);
+5. refuses a resume that would train on from a checkpoint holding no optimizer state
    (saved with ``checkpointing.save_optimizer: false``): a fresh optimizer makes the next steps
    differ from an uninterrupted run. ``fresh_optimizer=True`` (``nrl resume RUN --fresh-optimizer``)
    continues anyway; the plan then says so (:attr:`StartPlan.optimizer_reset`) and the flow records
@@ -35,11 +39,11 @@ from typing import Any
 
 from flows.config import ConfigError, MasterConfig
 from flows.run.hints import resume_command
-from flows.run.recompute import check_recompute_config, check_resume_data, dpo_repairs, parse_recompute, plan_recompute
+from flows.run.recipe import Recipe
+from flows.run.recompute import parse_recompute, plan_recompute
 from flows.run.state import check_config_hash, trained_prefix
 from nrl_tasks.run_layout import RunLayout
-from nrl_tasks.stages.graph import STEP_INPUTS
-from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, grpo_facts_options, plan_resume, read_run_facts
+from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, plan_resume, read_run_facts
 
 __all__ = ["StartPlan", "check_not_rewound", "check_optimizer_state", "plan_start"]
 
@@ -57,12 +61,12 @@ class StartPlan:
     #: ``(step, dataset)`` they delete
     deletes: tuple[tuple[int, str], ...] = ()
     facts: RunFacts | None = None
-    #: recovery with fresh actors (``None``: a new run, or an SFT, which restarts from its first step)
+    #: recovery with fresh actors (``None``: a new run, or one whose start deletes data first: the flow plans)
     plan: ResumePlan | None = None
     #: the checkpoint step restored without optimizer state, training on with a fresh optimizer
     #: (``--fresh-optimizer``; ``None``: the optimizer state is restored, or nothing is trained)
     optimizer_reset: int | None = None
-    #: damaged datasets the flow deletes before it starts and makes again, the same bytes (DPO)
+    #: damaged datasets the flow deletes before it starts and makes again, the same bytes (DPO, SFT)
     rebuild: tuple[str, ...] = ()
 
     def refit_generation(self, *, workers_attached: bool) -> bool:
@@ -89,12 +93,12 @@ class StartPlan:
         return "; ".join(parts) or "nothing to recover"
 
 
-def check_not_rewound(cfg: MasterConfig, layout: RunLayout, algorithm: str) -> None:
-    """``ConfigError`` when run ``layout.run_id`` has trained more steps than ``cfg`` allows
-    (``grpo.max_num_steps``, ``dpo.max_num_steps``): its committed steps are its history, and a
+def check_not_rewound(cfg: MasterConfig, layout: RunLayout, recipe: Recipe) -> None:
+    """``ConfigError`` when run ``layout.run_id`` has trained more steps than ``cfg`` allows (its
+    recipe's budget, ``<section>.max_num_steps``): its committed steps are its history, and a
     shorter budget would write a second, older final checkpoint beside them, not rewind it."""
-    key = f"{algorithm}.max_num_steps"
-    budget = cfg.dpo.max_num_steps if algorithm == "dpo" and cfg.dpo is not None else cfg.grpo.max_num_steps
+    key = f"{recipe.section}.max_num_steps"
+    budget = recipe.budget(cfg)
     opts = cfg.storage.storage_options or None
     if trained_prefix(layout, budget + 1, opts) <= budget:
         return
@@ -151,52 +155,36 @@ def _steps(steps: tuple[int, ...]) -> str:
 
 
 def plan_start(
-    cfg: MasterConfig, layout: RunLayout, *, algorithm: str, resume: bool, recompute: list[str] | None = None,
+    cfg: MasterConfig, layout: RunLayout, *, recipe: Recipe, resume: bool, recompute: list[str] | None = None,
     fresh_optimizer: bool = False,
 ) -> StartPlan:
-    """Check and plan the start of run ``layout.run_id`` (see the module docstring).
+    """Check and plan the start of run ``layout.run_id`` of algorithm ``recipe`` (see the module docstring).
 
     ``fresh_optimizer``: train on from a checkpoint without optimizer state (refused otherwise).
 
     ``ConfigError`` / ``ValueError`` / ``DamagedRunError`` with one clear message when it is refused."""
-    specs = parse_recompute(recompute)
+    specs = parse_recompute(recompute, recipe.graph)
     if specs and not resume:
         raise ValueError("recompute needs resume=True")
-    if specs and algorithm != "grpo":
-        raise ValueError(f"--recompute is for GRPO runs; a {algorithm.upper()} run recomputes what is not committed, "
-                         "and a DPO run its damaged pairs and reference, by itself (nrl resume RUN)")
     if not resume:
-        return StartPlan(layout.run_id, algorithm, False)
+        return StartPlan(layout.run_id, recipe.kind, False)
     opts = cfg.storage.storage_options or None
     check_config_hash(layout, cfg)
-    if algorithm == "sft":  # no per-step persistence: it trains again from its first step
-        return StartPlan(layout.run_id, algorithm, True)
-    check_not_rewound(cfg, layout, algorithm)
-    check_recompute_config(specs, cfg)
-    if algorithm == "grpo":
-        facts_kw: dict[str, Any] = {"max_step": cfg.grpo.max_num_steps, **grpo_facts_options(cfg)}
-    else:  # DPO: its steps make none of GRPO's step inputs
-        facts_kw = {"skipped": tuple(STEP_INPUTS)}
+    check_not_rewound(cfg, layout, recipe)
+    recipe.check_recompute(specs, cfg)
+    facts_kw = recipe.facts_options(cfg)
     # the anchor, its checkpoint files checked once (the train manifests are read after the
     # damaged-data check, which reports a damaged one plainly)
     window = read_run_facts(layout, opts, verify_checkpoints=True, read_checksums=False, **facts_kw)
-    deletes = tuple(plan_recompute(layout, specs, opts, window=(window.anchor, window.last_trained)))
-    rebuild: tuple[str, ...] = ()
-    if algorithm == "grpo":  # damaged batches a resume would read: one clear error
-        check_resume_data(layout, opts, skip=deletes, window=(window.anchor, window.last_trained))
-    else:  # DPO makes its damaged inputs again (the same bytes), or names what it cannot
-        rebuild = dpo_repairs(cfg, layout, opts, window=(window.anchor, window.last_trained))
+    span = (window.anchor, window.last_trained)
+    deletes = tuple(plan_recompute(layout, specs, opts, window=span, g=recipe.graph))
+    # damaged batches a resume would read: one clear error, or (an algorithm whose step inputs
+    # are the same bytes whenever made) the ones the flow deletes and makes again
+    rebuild = recipe.repairs(cfg, layout, span, deletes)
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
-    plan = None if deletes else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    if algorithm == "grpo":
-        restores = plan or plan_resume(facts, FRESH_ACTORS, force_refit=True)
-        trains = bool(restores.replay) or facts.last_trained < cfg.grpo.max_num_steps
-        reset = check_optimizer_state(cfg, layout, restores.restore_from, replay=tuple(restores.replay), trains=trains,
-                                      fresh_optimizer=fresh_optimizer)
-    else:  # DPO restores its anchor and replays the trained steps after it (flows.algorithms.dpo)
-        assert cfg.dpo is not None
-        replay = tuple(range(facts.anchor + 1, facts.last_trained + 1))
-        trains = bool(replay) or facts.last_trained < cfg.dpo.max_num_steps
-        reset = check_optimizer_state(cfg, layout, facts.anchor, replay=replay, trains=trains,
-                                      fresh_optimizer=fresh_optimizer)
-    return StartPlan(layout.run_id, algorithm, True, deletes, facts, plan, optimizer_reset=reset, rebuild=rebuild)
+    plan = None if deletes or rebuild else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
+    restores = plan or plan_resume(facts, FRESH_ACTORS, force_refit=True)
+    trains = bool(restores.replay) or facts.last_trained < recipe.budget(cfg)
+    reset = check_optimizer_state(cfg, layout, restores.restore_from, replay=tuple(restores.replay), trains=trains,
+                                  fresh_optimizer=fresh_optimizer)
+    return StartPlan(layout.run_id, recipe.kind, True, deletes, facts, plan, optimizer_reset=reset, rebuild=rebuild)

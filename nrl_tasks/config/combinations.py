@@ -60,17 +60,19 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
     return errs
 
 
-def _dpo_errors(cfg: "MasterConfig") -> list[str]:
-    """A DPO run (``dpo`` set): no generation needed; batch sizes count pairs."""
+def _supervised_errors(cfg: "MasterConfig") -> list[str]:
+    """A DPO or SFT run (``dpo`` / ``sft`` set): no generation needed; DPO's batch sizes count pairs."""
     errs = []
+    name = "dpo" if cfg.dpo is not None else "sft"
+    unit = " pairs" if cfg.dpo is not None else ""
     gbs, mbs, dp = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size, cfg.cluster.policy_workers
     if gbs % (mbs * dp):
         errs.append(
-            f"policy.train_global_batch_size = {gbs} pairs is not a multiple of policy.train_micro_batch_size * "
+            f"policy.train_global_batch_size = {gbs}{unit} is not a multiple of policy.train_micro_batch_size * "
             f"cluster.policy_workers = {mbs} * {dp}"
         )
     if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
-        errs.append("dpo does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
+        errs.append(f"{name} does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
     if cfg.dpo is not None and cfg.dpo.preference_loss_weight == 0 and cfg.dpo.sft_loss_weight == 0:
         errs.append(
             "dpo.preference_loss_weight and dpo.sft_loss_weight are both 0: the loss would be 0 and nothing would "
@@ -81,8 +83,8 @@ def _dpo_errors(cfg: "MasterConfig") -> list[str]:
 
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
-    if cfg.dpo is not None:
-        return _dpo_errors(cfg)
+    if cfg.dpo is not None or cfg.sft is not None:
+        return _supervised_errors(cfg)
     errs: list[str] = _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:

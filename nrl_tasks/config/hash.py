@@ -30,6 +30,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
+    "sft": {"max_num_steps"},
     "env": {"num_workers"},  # how many actors run the environment, not what it answers
 }
 
@@ -45,6 +46,7 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("env", "environment"),
     ("env", "environment_kwargs"),
     ("policy", "share_prompt_prefix"),
+    *(("dpo", k) for k in ("val_period", "val_batches", "val_global_batch_size", "val_micro_batch_size", "val_at_start")),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
@@ -64,12 +66,13 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
         data["grpo"].pop("async_grpo", None)
     for section, key in _ADDED_KEYS:  # a key added later, at its default, hashes as before it existed
         model = getattr(cfg, section)
-        if key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
+        if model is not None and key in data[section] and getattr(model, key) == type(model).model_fields[key].get_default(call_default_factory=True):
             data[section].pop(key)
     if not cfg.policy.dtensor_cfg.lora_cfg.enabled:  # a full-weights run hashes as before LoRA existed
         data["policy"]["dtensor_cfg"].pop("lora_cfg", None)
-    if cfg.dpo is None:  # a GRPO run hashes as before the section existed
-        data.pop("dpo", None)
+    for section in ("dpo", "sft", "algorithm"):  # a GRPO run hashes as before these existed
+        if data.get(section) is None:
+            data.pop(section, None)
     if not cfg.warm_start.sft_steps:  # likewise a run without a warm start
         data.pop("warm_start", None)
     data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None

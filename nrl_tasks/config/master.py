@@ -16,14 +16,40 @@ from nrl_tasks.config.dpo import DPOConfig
 from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
 from nrl_tasks.config.logger import LoggerConfig
+from nrl_tasks.config.sft import SFTConfig
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 
-__all__ = ["MasterConfig"]
+__all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "config_kind"]
+
+#: sections that make a config a run of their algorithm (the section's name is the run's kind)
+ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft")
+#: the kind of a config with none of them (GRPO's section has defaults: every config has one)
+DEFAULT_KIND = "grpo"
+
+
+def config_kind(data: Any) -> str:
+    """The run kind of a config (a :class:`MasterConfig` or its data): its ``algorithm`` key when
+    set, else the one of :data:`ALGORITHM_SECTIONS` it has, else :data:`DEFAULT_KIND`.
+    ``ConfigError`` when two algorithm sections are set, or the key names another algorithm
+    than the section it has.
+
+    >>> config_kind({"dpo": {}}), config_kind({"grpo": {}}), config_kind({"algorithm": "m:R"})
+    ('dpo', 'grpo', 'm:R')
+    """
+    get = data.get if isinstance(data, dict) else (lambda k: getattr(data, k, None))
+    sections = [s for s in ALGORITHM_SECTIONS if get(s) is not None]
+    if len(sections) > 1:
+        raise ConfigError(f"the config has the sections {' and '.join(f'`{s}`' for s in sections)}: one run trains one "
+                          "algorithm (drop one)")
+    named = get("algorithm")
+    if named is not None and sections and sections[0] != named:
+        raise ConfigError(f"algorithm = {named!r}, but the config has the `{sections[0]}` section of {sections[0]}")
+    return str(named) if named is not None else sections[0] if sections else DEFAULT_KIND
 
 
 class MasterConfig(Section):
-    """Everything a GRPO run needs. See ``configs/grpo_tiny.yaml``."""
+    """Everything a run needs (GRPO, DPO, SFT, ...). See ``configs/grpo_tiny.yaml``."""
 
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
@@ -36,6 +62,12 @@ class MasterConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; nrl_tasks.config.dpo)")
+    sft: SFTConfig | None = Field(None, description="set: an SFT run (nrl sft; nrl_tasks.config.sft)")
+    algorithm: str | None = Field(
+        None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$",
+        description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft) or module:attribute "
+        "of a recipe; default: the algorithm whose section the config has (grpo without one)",
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @model_validator(mode="after")
@@ -44,6 +76,11 @@ class MasterConfig(Section):
         if errors:
             raise ValueError("; ".join(errors))
         return self
+
+    @property
+    def kind(self) -> str:
+        """The run's algorithm (:func:`config_kind`)."""
+        return config_kind(self)
 
     @property
     def rollout_batch_size(self) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.graph import GRPO_GRAPH, StageGraph
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
@@ -93,6 +94,8 @@ class RunContext:
     tokenizer: Any
     actors: RunActors
     observers: Observers = field(default_factory=Observers)
+    #: the data stages of the run's algorithm (its recipe's)
+    graph: StageGraph = GRPO_GRAPH
     #: ``(step, stage) -> times this flow process ran the stage`` (``<stage>_attempts``)
     attempts: dict[tuple[int, str], int] = field(default_factory=dict)
     #: ``(step, stage)`` of the last stage that failed in this process (what recovery re-plans for)

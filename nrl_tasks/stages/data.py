@@ -40,6 +40,7 @@ __all__ = [
     "completion_batch",
     "masked_batch",
     "prompt_messages",
+    "render_messages",
     "derive_seed",
     "epoch_permutation",
     "format_prompt",
@@ -320,11 +321,16 @@ def format_prompt(prompt: str, data_cfg: DataConfig, tokenizer: Any = None, *, m
     :func:`text_budget` characters (:func:`clip_text`): only its last tokens can be kept."""
     if max_tokens is not None:
         prompt = clip_text(prompt, max_tokens, keep="tail")
-    messages = prompt_messages(prompt, data_cfg)
+    return render_messages(prompt_messages(prompt, data_cfg), data_cfg, tokenizer)
+
+
+def render_messages(messages: Sequence[dict[str, str]], data_cfg: DataConfig, tokenizer: Any = None) -> str:
+    """The text a conversation opens a response with: the tokenizer's chat template with the
+    generation prompt when ``data.chat_template``, else the messages' contents, one a line."""
     if data_cfg.chat_template:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("data.chat_template is true but the tokenizer has no chat template")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in messages)  # system prompt (if any), newline, prompt
 
 
@@ -423,11 +429,14 @@ def records_columns(records: Iterable[dict[str, str]]) -> dict[str, list[str]]:
 
 
 def snapshot_records(
-    layout: RunLayout, cfg: MasterConfig, split: str, tokenizer: Any = None, storage_options: dict[str, Any] | None = None
+    layout: RunLayout, cfg: MasterConfig, split: str, tokenizer: Any = None, storage_options: dict[str, Any] | None = None,
+    *, load: Any = None,
 ) -> list[dict[str, str]]:
     """The run's frozen copy of prompt split ``split`` at ``<run>/data/<split>``: read back when
-    committed, else loaded from the configured source, checked (over-long prompts: one clear error
-    now, not at step k, when a ``tokenizer`` is given) and saved."""
+    committed, else loaded from the configured source (``load(data_cfg, split, seed, opts)``:
+    :func:`load_prompt_records` by default; the built-in tasks' rows drawn with ``grpo.seed``),
+    checked (over-long prompts: one clear error now, not at step k, when a ``tokenizer`` is given)
+    and saved."""
     import storage
 
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
@@ -438,7 +447,7 @@ def snapshot_records(
     found = read_records_snapshot(uri, storage_options)
     if found is not None:
         return found
-    recs = load_prompt_records(cfg.data, split, cfg.grpo.seed, storage_options)
+    recs = (load or load_prompt_records)(cfg.data, split, cfg.grpo.seed, storage_options)
     if tokenizer is not None:
         src = getattr(cfg.data, f"{split}_path", None) or f"{cfg.data.dataset} {split} split"
         check_prompt_lengths(recs, cfg.data, tokenizer, cfg.max_prompt_tokens(), source=src)

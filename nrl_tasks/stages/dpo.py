@@ -1,15 +1,18 @@
-"""The stages of one DPO step (``nrl dpo``; the loop, checkpoints and resume: :mod:`flows.algorithms.dpo`)::
+"""The stages of one DPO step (``nrl dpo``; its recipe: :mod:`flows.algorithms.dpo`)::
 
     pairs = preference_pairs(ctx)                  # the step's pairs, tokenised        -> pairs
     reference = reference_logprobs(ctx, pairs)     # the frozen reference's logprobs    -> reference
     trained = dpo_train(ctx, pairs, reference)     # one optimizer step (DPOLossFn)     -> train
+    dpo_validate(ctx)                              # when due: held-out pairs           -> val
 
 Each is a Prefect task around :func:`~nrl_tasks.stages.runner.run_stage` (skip if committed,
 load the references it is handed, compute, commit), so a step re-run after a crash recomputes only
 what is not committed, and Prefect draws the edges. The draw of step ``k`` is the ``k``-th block of
 ``policy.train_global_batch_size`` pairs of the run's pair order (``dpo.seed``; reshuffled every
 epoch with ``data.shuffle``). ``train`` records the weights checksum after the update, which
-:func:`replay_dpo_train` checks when a resume replays the step from its persisted batches.
+:func:`replay_train` checks when a resume replays the step from its persisted batches
+(:func:`dpo_update`, the one update both run). Validation (``dpo.val_period``): the held-out pairs'
+loss, accuracy and margin in eval mode (:mod:`nrl_tasks.stages.supervised`).
 """
 
 from __future__ import annotations
@@ -21,17 +24,27 @@ import torch
 from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.algorithms.dpo import DPOLossFn
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.data import step_record_indices
+from nrl_tasks.stages.graph import StageGraph, StageSpec
 from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.preferences import build_pair_batch
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+from nrl_tasks.stages.supervised import supervised_validation
+from nrl_tasks.stages.train import train_metrics
 
-__all__ = ["DPO_DATASETS", "dpo_train", "preference_pairs", "reference_logprobs", "replay_dpo_train"]
+__all__ = ["DPO_DATASETS", "DPO_GRAPH", "dpo_train", "dpo_update", "dpo_validate", "preference_pairs", "reference_logprobs"]
 
+#: a DPO step's stages (its metrics line keeps the names ``pairs_s``, ``reference_s``, ``train_s``)
+DPO_GRAPH = StageGraph((
+    StageSpec("preference_pairs", "pairs", label="pairs"),
+    StageSpec("reference_logprobs", "reference", ("pairs",), ("policy",), retried=True, label="reference"),
+    StageSpec("dpo_train", "train", ("pairs", "reference"), ("policy",), retried=True, label="train"),
+))
 #: a DPO step's datasets, in order (``train`` marks the step trained)
-DPO_DATASETS = ("pairs", "reference", "train")
+DPO_DATASETS = DPO_GRAPH.datasets
 
 
 @task(name="preference_pairs", task_run_name="preference_pairs-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
@@ -63,15 +76,14 @@ def reference_logprobs(ctx: StepContext, pairs: DatasetRef) -> DatasetRef:
     return run_stage(ctx, "reference_logprobs", compute, inputs={"pairs": pairs}, output="reference")
 
 
-def _train_once(run: RunContext, pairs: BatchedDataDict, reference: BatchedDataDict) -> dict[str, float]:
-    from nrl_tasks.algorithms.dpo import DPOLossFn
-    from nrl_tasks.stages.train import train_metrics
-
-    cfg = run.cfg
+def dpo_update(run: RunContext, batches: Any) -> dict[str, float]:
+    """One DPO update of ``run``'s policy from a step's ``pairs`` and ``reference`` batches: what
+    :func:`dpo_train` computes and a replay repeats (NeMo-RL's convention: the batch sizes count
+    pairs, each pair is two rows). Scalar metrics."""
+    cfg, pairs = run.cfg, batches["pairs"]
     data = BatchedDataDict({k: pairs[k] for k in ("input_ids", "input_lengths", "token_mask", "sample_mask")})
-    data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
+    data["reference_policy_logprobs"] = batches["reference"]["reference_policy_logprobs"]
     loss_fn = DPOLossFn(cfg.dpo)
-    # NeMo-RL's convention: the batch sizes count pairs, each pair is two rows
     result = run.policy.train(data, loss_fn, gbs=2 * cfg.policy.train_global_batch_size,
                               mbs=2 * cfg.policy.train_micro_batch_size)
     return train_metrics(result, loss_fn.metric_reductions)
@@ -87,7 +99,7 @@ def dpo_train(ctx: StepContext, pairs: DatasetRef, reference: DatasetRef) -> Dat
         check_policy_version(policy, ctx.step - 1, f"dpo_train of step {ctx.step}")
         ctx.actor_call("dpo_train", "policy", policy.worker_group.workers)
         with timer.phase("train"):
-            metrics = _train_once(ctx.run, inputs["pairs"], inputs["reference"])
+            metrics = dpo_update(ctx.run, inputs)
         if policy.weights_version != ctx.step:
             raise RuntimeError(f"after dpo_train of step {ctx.step} the policy reports version {policy.weights_version}")
         row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
@@ -102,20 +114,19 @@ def dpo_train(ctx: StepContext, pairs: DatasetRef, reference: DatasetRef) -> Dat
                      weights_version=ctx.step)
 
 
-def replay_dpo_train(run: RunContext, step: int) -> None:
-    """Re-run the committed ``train`` of ``step`` from its persisted ``pairs`` and ``reference``
-    (after a restore); ``RuntimeError`` when the weights checksum differs from the recorded one."""
-    import storage
+@task(name="validate", task_run_name="validate-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
+def dpo_validate(ctx: StepContext) -> DatasetRef:
+    """The held-out pairs' DPO loss, accuracy and margin on the policy after step ``ctx.step``
+    (``val``; the reference's logprobs computed with them: the held-out pairs are not persisted
+    per step)."""
+    cfg = ctx.cfg
+    recs = ctx.run.records("preferences_val")
 
-    uri = lambda d: run.layout.stage_uri(step, d)  # noqa: E731
-    meta = storage.read_manifest(uri("train"), **run.storage_kw).meta
-    _train_once(run, storage.load_batch(uri("pairs"), **run.storage_kw), storage.load_batch(uri("reference"), **run.storage_kw))
-    from nrl_tasks.utils.refit import checksum_algorithm
+    def build(n: int) -> BatchedDataDict:
+        b = build_pair_batch(recs, list(range(n)), ctx.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+        data = BatchedDataDict({k: b[k] for k in ("input_ids", "input_lengths", "token_mask", "sample_mask")})
+        ref = ctx.policy.get_reference_policy_logprobs(BatchedDataDict({"input_ids": b["input_ids"], "input_lengths": b["input_lengths"]}))
+        data["reference_policy_logprobs"] = ref["reference_logprobs"].to(torch.float32)
+        return data
 
-    want = meta.get("weights_checksum")
-    got = run.policy.weights_checksum(algorithm=checksum_algorithm(want))
-    if run.policy.weights_version != step or (want and got != want):
-        raise RuntimeError(
-            f"replay of dpo_train step {step} gave weights checksum {got} (version {run.policy.weights_version}), "
-            f"the run recorded {want}: training is not deterministic or the persisted batches changed"
-        )
+    return supervised_validation(ctx, build, DPOLossFn(cfg.dpo), rows=len(recs), rows_per_item=2, val_cfg=cfg.dpo)

@@ -71,12 +71,19 @@ def generation_responsive(generation: GenerationInterface, timeout_s: float | No
 
 
 def probe_actors(
-    actors: Any, *, target: int, policy_fresh: bool = False, checksum_algorithm: str | None = None
+    actors: Any, *, target: int, policy_fresh: bool = False, checksum_algorithm: str | None = None,
+    with_generation: bool = True,
 ) -> ActorHealth:
     """The :class:`ActorHealth` of a run's actors (``actors``: its ``RunActors``); the policy's
     weights checksum is read only when it holds ``target``, with ``checksum_algorithm`` (that of
-    the checksum recorded for ``target``, which it is compared with; default: today's)."""
+    the checksum recorded for ``target``, which it is compared with; default: today's).
+    ``with_generation=False``: the run has no generation workers (DPO, SFT): reported alive at
+    ``target``, nothing to re-create or refit."""
     pv = policy_responsive(actors.policy)
+    if not with_generation:
+        checksum = actors.policy.weights_checksum(algorithm=checksum_algorithm) if pv is not None and pv == target > 0 else None
+        return ActorHealth(policy_version=pv, generation_version=target, generation_alive=True, policy_checksum=checksum,
+                           policy_fresh=policy_fresh)
     states = generation_responsive(actors.generation)
     gv = None
     if states:

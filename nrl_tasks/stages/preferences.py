@@ -65,11 +65,11 @@ def load_preference_file(path: str, *, prompt_key: str = "prompt", storage_optio
     return out
 
 
-def builtin_preferences(data_cfg: DataConfig, seed: int) -> list[dict[str, str]]:
-    """Pairs on the built-in arithmetic task's train prompts (see the module docstring)."""
+def builtin_preferences(data_cfg: DataConfig, seed: int, split: str = "train") -> list[dict[str, str]]:
+    """Pairs on the built-in arithmetic task's prompts of ``split`` (see the module docstring)."""
     out = []
-    for i, r in enumerate(load_prompt_records(data_cfg, "train", seed)):
-        rng = random.Random(derive_seed(seed, "dpo-rejected", i))
+    for i, r in enumerate(load_prompt_records(data_cfg, split, seed)):
+        rng = random.Random(derive_seed(seed, "dpo-rejected" if split == "train" else f"dpo-rejected-{split}", i))
         wrong = int(r["answer"]) + rng.choice((-3, -2, -1, 1, 2, 3))
         out.append({"prompt": r["prompt"], "chosen": f" {r['answer']}", "rejected": f" {wrong}"})
     return out
@@ -83,11 +83,15 @@ def records_digest(records: list[dict[str, str]]) -> str:
     return hashlib.sha256(json.dumps(records, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def source_preferences(cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """The pairs of the run's configured source (``data.train_path`` or the built-in task)."""
+def source_preferences(cfg: MasterConfig, storage_options: dict[str, Any] | None = None, split: str = "train") -> list[dict[str, str]]:
+    """The pairs of the run's configured source of ``split`` (``data.train_path`` /
+    ``data.val_path``, or the built-in task's split)."""
     if cfg.data.dataset == "file":
-        return load_preference_file(cfg.data.train_path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
-    return builtin_preferences(cfg.data, cfg.dpo.seed)
+        path = cfg.data.train_path if split == "train" else cfg.data.val_path
+        if not path:
+            raise ValueError(f"data.{split}_path is not set")
+        return load_preference_file(path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
+    return builtin_preferences(cfg.data, cfg.dpo.seed, split)
 
 
 def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -130,27 +134,31 @@ def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[
     )
 
 
-def snapshot_uri(layout: RunLayout) -> str:
-    """Where run ``layout.run_id`` keeps its frozen pairs: ``<run>/data/preferences``."""
+def snapshot_uri(layout: RunLayout, split: str = "train") -> str:
+    """Where run ``layout.run_id`` keeps its frozen pairs: ``<run>/data/preferences`` (the
+    held-out ones: ``preferences-val``)."""
     from nrl_tasks.run_layout import join_uri
 
-    return join_uri(layout.run_uri, "data", "preferences")
+    return join_uri(layout.run_uri, "data", "preferences" if split == "train" else f"preferences-{split}")
 
 
-def snapshot_preferences(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """The run's frozen pairs at ``<run>/data/preferences``: read back when committed, else loaded
-    from the configured source and saved."""
+def snapshot_preferences(
+    layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None, split: str = "train",
+) -> list[dict[str, str]]:
+    """The run's frozen pairs of ``split`` at ``<run>/data/preferences`` (``preferences-val``):
+    read back when committed, else loaded from the configured source and saved."""
     import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
-    uri = snapshot_uri(layout)
+    uri = snapshot_uri(layout, split)
     keys = ("prompt", *FIELDS)
     if storage.is_committed(uri, **kw):
         b = storage.load_batch(uri, **kw)
         return [dict(zip(keys, vals)) for vals in zip(*(b[k] for k in keys))]
-    recs = source_preferences(cfg, storage_options)
+    recs = source_preferences(cfg, storage_options, split)
     storage.save_batch(BatchedDataDict({k: [r[k] for r in recs] for k in keys}), uri, **kw,
-                       run_id=layout.run_id, stage="data-preferences", step=0, records_sha256=records_digest(recs))
+                       run_id=layout.run_id, stage=f"data-{uri.rstrip('/').rsplit('/', 1)[-1]}", step=0,
+                       records_sha256=records_digest(recs))
     return recs
 
 

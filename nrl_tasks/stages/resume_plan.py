@@ -264,7 +264,7 @@ def grpo_facts_options(cfg: MasterConfig) -> dict[str, Any]:
     from nrl_tasks.stages.schedule import StepSchedule
 
     return {"lookahead": StepSchedule.from_config(cfg).lookahead, "max_steps": cfg.grpo.max_num_steps,
-            "skipped": () if logprob_needed(cfg) else ("logprobs",)}
+            "skipped": () if logprob_needed(cfg) else ("logprobs",), "step_inputs": STEP_INPUTS}
 
 
 def read_run_facts(
@@ -278,6 +278,7 @@ def read_run_facts(
     max_steps: int | None = None,
     skipped: tuple[str, ...] = (),
     read_checksums: bool = True,
+    step_inputs: tuple[str, ...] = STEP_INPUTS,
 ) -> RunFacts:
     """Read :class:`RunFacts` of the run at ``layout`` (``max_step`` caps the trained prefix).
 
@@ -288,6 +289,7 @@ def read_run_facts(
     ``lookahead``: the async schedule's trajectory age (steps after the trained prefix, up to
     ``max_steps``, whose rollouts are missing are then looked for: :attr:`RunFacts.ungenerated`).
     ``skipped``: datasets the run's steps do not make (``logprobs`` when nothing reads them), never missing.
+    ``step_inputs``: a step's datasets before ``train`` (its algorithm's stage graph; GRPO's by default).
     ``read_checksums=False``: leave the ``train`` manifests unread (every checksum ``None``): the
     anchor and the trained prefix do not depend on them, and a damaged manifest is then the
     damaged-data check's to report.
@@ -320,7 +322,7 @@ def read_run_facts(
         anchor = facts.anchor
         if anchor + 1 < looked:
             for s in range(anchor + 1, looked):
-                gone = tuple(d for d in STEP_INPUTS
+                gone = tuple(d for d in step_inputs
                              if d not in skipped and not storage.is_committed(layout.stage_uri(s, d), **kw))
                 if gone:
                     missing[s] = gone

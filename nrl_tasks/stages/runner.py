@@ -33,7 +33,6 @@ from typing import Any, Iterator
 from prefect.cache_policies import NO_CACHE
 
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.graph import spec as stage_spec
 from nrl_tasks.stages.refs import DatasetRef
 
 logger = logging.getLogger(__name__)
@@ -127,7 +126,7 @@ def _load_inputs(ctx: StepContext, name: str, inputs: Mapping[str, DatasetRef]) 
     import storage
 
     try:
-        allowed = set(stage_spec(name).all_inputs)
+        allowed = set(ctx.run.graph.spec(name).all_inputs)
     except KeyError:  # a stage outside the step graph (validate): no declared inputs to check
         allowed = set()
     out = {}
@@ -153,7 +152,7 @@ def run_stage(
 ) -> DatasetRef:
     """Run data stage ``name`` of ``ctx.step`` (see the module docstring); its output reference."""
     run = ctx.run
-    output = output or stage_spec(name).output  # validate passes its own ("val")
+    output = output or run.graph.spec(name).output  # validate passes its own ("val")
     uri = ctx.uri(output)
     key = ctx.attempt_key(name)
     done = committed_ref(uri, run.storage_options, attempts=run.attempts.get((ctx.step, key), 0))

@@ -42,6 +42,18 @@ class Event(NamedTuple):
     step: int
     version: int
 
+    @property
+    def trains(self) -> bool:
+        return self.kind == "train"
+
+    @property
+    def generates(self) -> bool:
+        return self.kind == "generate"
+
+    @property
+    def refits(self) -> bool:
+        return self.kind == "refit"
+
 
 @dataclass(frozen=True)
 class StepSchedule:

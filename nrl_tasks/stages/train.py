@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["build_train_data", "finite_or_none", "replay_train", "run_train", "train", "train_metrics"]
+__all__ = ["build_train_data", "finite_or_none", "grpo_update", "replay_train", "run_train", "train", "train_metrics"]
 
 _log = logging.getLogger(__name__)
 
@@ -129,20 +129,34 @@ def _check_version(policy: PolicyInterface, step: int) -> None:
         raise RuntimeError(f"after train of step {step} the policy reports weights version {policy.weights_version}")
 
 
-def replay_train(run: Any, step: int) -> dict[str, Any]:
+def grpo_update(run: Any, batches: Mapping[str, BatchedDataDict]) -> dict[str, float]:
+    """One GRPO update of ``run``'s policy from a step's ``rollouts``, ``logprobs`` (only when the
+    loss or advantages read them) and ``advantages`` batches: what :func:`train` computes and a
+    replay repeats. Scalar metrics."""
+    cfg = run.cfg
+    logprobs = batches.get("logprobs") if logprob_needed(cfg) else None
+    data = build_train_data(batches["rollouts"], logprobs, batches["advantages"])
+    return run_train(run.policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
+
+
+def replay_train(
+    run: Any, step: int, inputs: tuple[str, ...] = REPLAY_INPUTS,
+    update: Callable[[Any, Mapping[str, BatchedDataDict]], Any] = grpo_update,
+) -> dict[str, Any]:
     """Re-run the committed ``train`` of ``step`` from its persisted inputs (after a restore;
-    ``run``: the :class:`~nrl_tasks.stages.context.RunContext`).
+    ``run``: the :class:`~nrl_tasks.stages.context.RunContext`): the committed datasets of
+    ``inputs`` (the algorithm's ``train`` inputs) handed to ``update`` (its one update).
 
     Verifies the recorded weights checksum when there is one; raises ``RuntimeError`` if the
     replay does not reproduce it (training not deterministic) or the inputs are missing.
     """
     import storage
 
-    layout, kw, cfg = run.layout, run.storage_kw, run.cfg
+    layout, kw = run.layout, run.storage_kw
     meta = storage.read_manifest(layout.stage_uri(step, "train"), **kw).meta
-    parts = [storage.load_batch(layout.stage_uri(step, s), **kw) if s != "logprobs" or logprob_needed(cfg) else None
-             for s in REPLAY_INPUTS]
-    run_train(run.policy, build_train_data(*parts), cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size)
+    batches = {d: storage.load_batch(layout.stage_uri(step, d), **kw) for d in inputs
+               if storage.is_committed(layout.stage_uri(step, d), **kw)}
+    update(run, batches)
     _check_version(run.policy, step)
     expected = meta.get("weights_checksum")
     if expected:
@@ -169,15 +183,12 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, a
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
         policy = ctx.policy
         check_policy_version(policy, ctx.step - 1, f"train of step {ctx.step}")
-        data = build_train_data(*(inputs.get(s) for s in REPLAY_INPUTS))
         ctx.actor_call("train", "policy", policy.worker_group.workers)
         with timer.phase("train"):
-            metrics = run_train(
-                policy, data, cfg.loss_fn, gbs=cfg.policy.train_global_batch_size, mbs=cfg.policy.train_micro_batch_size
-            )
+            metrics = grpo_update(ctx.run, inputs)
         _check_version(policy, ctx.step)
         checksum = policy.weights_checksum() if cfg.logger.weights_checksum else None
-        tokens = int(data["input_lengths"].sum())
+        tokens = int(inputs["rollouts"]["input_lengths"].sum())
         row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
         row["step"] = torch.tensor([ctx.step], dtype=torch.int64)
         # the worker's finite-value guard raises NonFiniteTrainingError for a non-finite loss or

@@ -1,0 +1,134 @@
+"""What the recipes of DPO and SFT share, as functions each calls (no base class): both train the
+policy alone on batches drawn from the run's frozen data, at age 0, with NeMo-RL's validation keys.
+
+- their schedule is age 0 over ``<section>.max_num_steps`` and their retry settings the defaults;
+- a resume reads the facts of their own stage graph, and remakes a damaged step input instead of
+  refusing (the pairs, the reference logprobs and the SFT batches are the same bytes whenever they
+  are made: no sampling), as long as the frozen data can be made again
+  (:func:`flows.run.recompute.remake_damaged`);
+- their metrics line is the train stage's figures, the validation's ``val_*`` figures and every
+  algorithm's stage seconds and attempts (:func:`flows.observe.metrics.stage_figures`); a lost
+  line is rebuilt from the same manifests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import storage
+from flows.observe.metrics import stage_figures
+from flows.run.recipe import Retries
+from flows.run.recompute import remake_damaged
+from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
+from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.errors import DamagedRunError
+from nrl_tasks.stages.graph import StageGraph
+from nrl_tasks.stages.refs import DatasetRef, StepRefs
+from nrl_tasks.stages.schedule import StepSchedule
+
+__all__ = [
+    "DEFAULT_RETRIES", "console_line", "facts_options", "line_from_manifests", "metrics_line", "rebuild_line", "repairs",
+    "schedule", "validation_due",
+]
+
+#: DPO and SFT runs retry a stage that met an actor fault as GRPO's defaults do
+DEFAULT_RETRIES = Retries()
+
+
+def schedule(budget: int) -> StepSchedule:
+    """Age 0 over ``budget`` steps."""
+    return StepSchedule(budget)
+
+
+def validation_due(section: Any, step: int) -> bool:
+    """``val_period`` steps apart (0: never); step 0 (the initial weights) with ``val_at_start``."""
+    if not section.val_period:
+        return False
+    return bool(section.val_at_start) if step == 0 else step % section.val_period == 0
+
+
+def facts_options(graph: StageGraph, budget: int) -> dict[str, Any]:
+    """:func:`~nrl_tasks.stages.resume_plan.read_run_facts` options of a run of ``graph``."""
+    return {"max_steps": budget, "step_inputs": graph.step_inputs}
+
+
+def repairs(layout: RunLayout, cfg: Any, graph: StageGraph, window: tuple[int, int], skip: Sequence[tuple[int, str]],
+            snapshot: str | None) -> tuple[str, ...]:
+    """The damaged datasets a resume reads that the flow deletes and makes again (``snapshot``: a
+    damaged frozen copy its source rebuilds), or ``DamagedRunError`` naming a damaged ``train``."""
+    return remake_damaged(layout, cfg.storage.storage_options or None, window=window, g=graph, skip=skip, snapshot=snapshot)
+
+
+def line_from_manifests(
+    step: int, graph: StageGraph, manifests: Mapping[str, Mapping[str, Any] | None], train_keys: Sequence[str], *,
+    refit: Mapping[str, Any] | None = None, val: Mapping[str, Any] | None = None,
+    checkpoint: Mapping[str, Any] | None = None, wall_seconds: float | None = None,
+) -> dict[str, Any]:
+    """A metrics line: ``train_keys`` of the ``train`` manifest, the validation's ``val_*``
+    figures and the stage figures every algorithm has."""
+    train = manifests.get("train") or {}
+    row: dict[str, Any] = {"step": step, "weights_version": step, **{k: train.get(k) for k in train_keys}}
+    val_figures = {k: v for k, v in (val or {}).items() if k.startswith("val_")}
+    compute = [train.get("train_seconds"), *((m or {}).get("compute_seconds") for d, m in manifests.items() if d != "train")]
+    row.update(stage_figures(graph, manifests, compute, refit=refit, val=val, val_figures=val_figures, checkpoint=checkpoint,
+                             wall_seconds=wall_seconds))
+    return row
+
+
+def metrics_line(ctx: StepContext, refs: StepRefs, wall_seconds: float | None, graph: StageGraph,
+                 train_keys: Sequence[str]) -> dict[str, Any]:
+    """The step's line from its references (the datasets' manifests, checkpoint and validation)."""
+    return line_from_manifests(
+        ctx.step, graph, {k: v.summary() for k, v in refs.datasets.items() if v is not None}, train_keys,
+        refit=refs.refit.summary() if refs.refit else None, val=refs.val.summary() if refs.val else None,
+        checkpoint=refs.checkpoint.summary() if refs.checkpoint else None, wall_seconds=wall_seconds,
+    )
+
+
+def rebuild_line(layout: RunLayout, step: int, storage_options: dict[str, Any] | None, graph: StageGraph,
+                 train_keys: Sequence[str]) -> dict[str, Any]:
+    """A lost line of trained step ``step`` from what storage holds, marked ``rebuilt`` (its
+    attempts, ``step_s`` and ``orchestration_s`` unknown)."""
+    kw = {"storage_options": storage_options} if storage_options else {}
+
+    def committed(name: str) -> dict[str, Any] | None:
+        uri = layout.stage_uri(step, name)
+        if not storage.is_committed(uri, **kw):
+            return None
+        return DatasetRef.from_manifest(storage.read_manifest(uri, **kw), uri).summary()
+
+    manifests = {d: committed(d) for d in graph.datasets}
+    checkpoint = None
+    ck = layout.checkpoint_uri(step)
+    if is_checkpoint_committed(ck, storage_options):
+        try:
+            seconds = read_checkpoint_info(ck, storage_options).get("seconds")
+        except DamagedRunError:
+            seconds = None
+        checkpoint = {"seconds": seconds, "attempts": None}
+    row = line_from_manifests(step, graph, manifests, train_keys, val=committed("val"), checkpoint=checkpoint)
+    for key in [k for k in row if k.endswith("_attempts")]:
+        row[key] = None
+    row["rebuilt"] = True
+    return row
+
+
+def console_line(run_id: str, kind: str, row: Mapping[str, Any], max_steps: int, figures: Sequence[tuple[str, str, str]]) -> str:
+    """``[run] dpo step 3/10 loss 0.6931 accuracy 0.500 | val_loss 0.69 | step 1.23s = work 0.80s + orchestration 0.43s``:
+    ``figures`` are ``(label, key, format)`` of the row."""
+
+    def fmt(key: str, spec: str) -> str:
+        v = row.get(key)
+        return "n/a" if v is None else format(v, spec)
+
+    parts = [f"[{run_id}] {kind} step {row['step']}/{max_steps}", *(f"{label} {fmt(key, spec)}" for label, key, spec in figures)]
+    vals = [f"{k} {row[k]:.4f}" for k in ("val_loss", "val_accuracy") if isinstance(row.get(k), (int, float))]
+    tail = ""
+    if row.get("step_s") is not None:
+        tail = f" | step {row['step_s']:.2f}s"
+        if row.get("orchestration_s") is not None:
+            tail += f" = work {row['step_s'] - row['orchestration_s']:.2f}s + orchestration {row['orchestration_s']:.2f}s"
+    retried = [f"{k[: -len('_attempts')]} x{row[k]}" for k in row if k.endswith("_attempts") and isinstance(row[k], int) and row[k] > 1]
+    return " ".join(parts) + (" | " + " ".join(vals) if vals else "") + tail + (" | attempts " + " ".join(retried) if retried else "")
