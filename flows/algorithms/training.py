@@ -21,11 +21,13 @@ names an algorithm; each algorithm's module defines its Prefect flow as a thin c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from flows.algorithms.driver import StepDriver
@@ -131,7 +133,9 @@ def run_steps(
     # generated ahead on older weights): retention keeps what that resume reads
     age = recipe.schedule(cfg).lookahead
     driver = StepDriver(
-        run, recipe, lambda s: step_plan(cfg, recipe, s, chash=chash, write_line=s not in have_lines),
+        # a step trained by this flow writes its line (a killed run may have left one of a step it
+        # had trained, whose train was lost); the last trained step's line only when missing
+        run, recipe, lambda s: step_plan(cfg, recipe, s, chash=chash, write_line=s > last or s not in have_lines),
         budget=budget, fence=fence, publish=publish,
         after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned,
                                              prunable=recipe.graph.step_inputs),
@@ -147,6 +151,15 @@ def run_steps(
         trackers.close()
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
             "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0}
+
+
+def _logger() -> Any:
+    """Prefect's run logger inside a flow run, this module's logger elsewhere (the flow's
+    function called directly: ``grpo.fn(...)``)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 def train_run(
@@ -174,7 +187,7 @@ def train_run(
     given = run_id
     run_id = validate_run_id(run_id) if run_id else new_run_id(recipe.kind.rpartition(":")[2].lower())
     tag_this_flow_run(run_id)  # before the config is read: a flow run refused for its config is tagged too
-    log = get_run_logger()
+    log = _logger()
     fix = (lambda c: configure(c, run_id, log)) if configure is not None else None
     if resume and given:
         cfg = resume_config(recipe, config, overrides, storage, run_id, log,

@@ -34,8 +34,7 @@ A new run has nothing to check here (``config.yaml`` is created by the session).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from flows.config import ConfigError, MasterConfig
 from flows.run.hints import resume_command
@@ -182,8 +181,10 @@ def plan_start(
     # are the same bytes whenever made) the ones the flow deletes and makes again
     rebuild = recipe.repairs(cfg, layout, span, deletes)
     facts = read_run_facts(layout, opts, damaged=window.damaged_checkpoints, **facts_kw)
-    plan = None if deletes or rebuild else plan_resume(facts, FRESH_ACTORS, force_refit=True)  # after deletes: the flow plans
-    restores = plan or plan_resume(facts, FRESH_ACTORS, force_refit=True)
+    gen = recipe.actors.generation  # without generation workers there is nothing to refit
+    fresh = FRESH_ACTORS if gen else replace(FRESH_ACTORS, generation_version=facts.last_trained)
+    plan = None if deletes or rebuild else plan_resume(facts, fresh, force_refit=gen)  # after deletes: the flow plans
+    restores = plan or plan_resume(facts, fresh, force_refit=gen)
     trains = bool(restores.replay) or facts.last_trained < recipe.budget(cfg)
     reset = check_optimizer_state(cfg, layout, restores.restore_from, replay=tuple(restores.replay), trains=trains,
                                   fresh_optimizer=fresh_optimizer)

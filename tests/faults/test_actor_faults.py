@@ -136,6 +136,7 @@ def test_refit_producer_killed_mid_broadcast(faulted_run):
     the policy, restores checkpoint 3 and streams over a new communicator."""
     import ray
 
+    from flows.algorithms.grpo import GRPO
     from flows.config import load_config
     from flows.run.recovery import recover
     from flows.run.runtime import build_run_context, setup_runtime
@@ -169,7 +170,7 @@ def test_refit_producer_killed_mid_broadcast(faulted_run):
     else:  # every byte had arrived before the producer died: then they are exactly the trained weights
         assert state["weights_version"] == 3 and ray.get(worker.weights_checksum.remote()) == want
 
-    out = recover(run, 3)  # what the flow does after the failed refit
+    out = recover(run, GRPO, 3)  # what the flow does after the failed refit
     assert out["plan"].recreate_policy and out["plan"].refit and out["restored_from"].endswith("step_000003")
     assert rt.policy.worker_status()[0]["pid"] != old_pid  # re-created, restored from checkpoint 3
     assert rt.policy.weights_checksum() == want

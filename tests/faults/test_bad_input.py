@@ -98,12 +98,14 @@ def test_overlong_prompts_rejected_or_truncated_per_config(tiny_model_dir):
 
 
 def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir, monkeypatch):
-    """A run on a file dataset with an over-long (or malformed) prompt stops at data loading:
-    one clear error, Ray never contacted, no data snapshot committed."""
+    """A run on a file dataset with an over-long (or malformed) prompt stops at data loading
+    (its recipe's ``prepare``, which the flow runs before it starts the runtime): one clear
+    error, Ray never contacted, no data snapshot committed."""
     import storage
     import flows.run.runtime
-    from flows.run.runtime import setup_runtime
-    from nrl_tasks.run_layout import join_uri
+    from flows.algorithms.grpo import GRPO
+    from flows.run.runtime import load_tokenizer
+    from nrl_tasks.run_layout import RunLayout, join_uri
 
     def tripwire(*a, **k):
         raise AssertionError("Ray was contacted despite bad input")
@@ -122,7 +124,7 @@ def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir
             [f"policy.model_name={tiny_model_dir}", f"storage.root={root}", "data.dataset=file", f"data.train_path={path}"],
         )
         with pytest.raises(ValueError, match=needle) as info:
-            setup_runtime(cfg, "bad-data")
+            GRPO.prepare(RunLayout(root, "bad-data"), cfg, load_tokenizer(cfg))
         assert path in str(info.value)
         assert not storage.is_committed(join_uri(root, "bad-data", "data", "train"))
 

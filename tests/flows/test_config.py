@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from flows.config import ConfigError, config_hash, config_to_yaml, load_config, redact, saved_config_hash
+from flows.algorithms.grpo import GRPO
 from flows.config.overrides import apply_overrides, parse_value
 
 TINY = "configs/grpo_tiny.yaml"
@@ -145,11 +146,11 @@ def test_stage_retry_keys_from_yaml_and_overrides(tmp_path):
     assert from_yaml.grpo.stage_retries == 5 and from_yaml.grpo.stage_retry_delay_s == [0.0]
     assert config_hash(cfg) == config_hash(from_yaml) == config_hash(base)
 
-    assert RetryBudget(cfg).take(1, "train") is None  # no retry at all
-    budget = RetryBudget(base)
+    assert RetryBudget.for_run(cfg, GRPO).take(1, "train") is None  # no retry at all
+    budget = RetryBudget.for_run(base, GRPO)
     assert [budget.take(3, "train") for _ in range(3)] == [1.0, 3.0, None]  # then the step fails
     assert budget.take(3, "generate") == 1.0  # each stage of each step has its own budget
-    five = RetryBudget(from_yaml)
+    five = RetryBudget.for_run(from_yaml, GRPO)
     assert [five.take(1, "logprob") for _ in range(6)] == [0.0] * 5 + [None]  # the last delay repeats
 
     for overrides, needle in (

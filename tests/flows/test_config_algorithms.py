@@ -70,7 +70,7 @@ def test_dynamic_sampling_keys_and_their_combinations():
 
 
 def test_recompute_of_sampled_datasets_is_refused_with_dynamic_sampling():
-    from flows.run.recompute import check_recompute_config
+    from flows.algorithms.grpo import check_recompute_config
 
     cfg = load_config(TINY_CONFIG, ["grpo.use_dynamic_sampling=true"])
     with pytest.raises(ValueError, match=r"--recompute rewards@2.*grpo.use_dynamic_sampling"):

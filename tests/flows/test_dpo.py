@@ -100,7 +100,8 @@ def test_killed_mid_update_then_resumed_is_bit_identical(dpo_run, tmp_path, pref
     with open(os.path.join(root, run_id, "status.json"), encoding="utf-8") as fh:
         status = json.load(fh)
     assert status["status"] == "completed"
-    assert status["restored"] == {"restored_from": os.path.join(root, run_id, "checkpoints", "step_000003"), "replayed": [4]}
+    assert status["restored"] == {"restored_from": os.path.join(root, run_id, "checkpoints", "step_000003"), "replayed": [4],
+                                  "recomputed": {}}
     ref = dpo_run["root"]
     assert [train_checksum(root, run_id, s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
     from flows.observe.metrics import read_metrics
@@ -298,6 +299,7 @@ def test_nrl_resume_of_a_dpo_run_runs_its_preflight(tmp_path, capsys, monkeypatc
     ``nrl resume`` checks it first (issue 27, item 4), exit 2 naming the file, line and field,
     and starts nothing."""
     from flows.cli import main
+    from flows.algorithms.dpo import DPO
     from flows.config.resolve import resolve_config
     from flows.run.state import init_run
     from nrl_tasks.run_layout import RunLayout
@@ -305,7 +307,7 @@ def test_nrl_resume_of_a_dpo_run_runs_its_preflight(tmp_path, capsys, monkeypatc
     pairs, root = tmp_path / "p.jsonl", str(tmp_path / "runs")
     pairs.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n')
     cfg = resolve_config(os.path.join(REPO, "configs", "dpo_tiny.yaml"), ["data.dataset=file", f"data.train_path={pairs}"],
-                         root, algorithm="dpo")
+                         root, recipe=DPO)
     init_run(RunLayout(root, "d2"), cfg, resume=False)  # config.yaml written, nothing else (killed then)
     pairs.write_text('{"prompt": "1+1=", "chosen": " 2", "rejected": " 3"}\n{"prompt": "2+2=", "rejected": " 5"}\n')
     started = []

@@ -1,5 +1,7 @@
-"""The lanes of a step are defined once (flows/algorithms/lanes.py): their callers (the step subflow,
-the step driver, recovery) call them and never the data stages' tasks themselves."""
+"""GRPO's lanes are defined once (flows/algorithms/lanes.py): their callers (the step subflow,
+the step driver, recovery; through GRPO's recipe) never call the data stages' tasks themselves,
+and the checkpoint, refit and validation that end every algorithm's step are the step's own
+(flows/algorithms/step.py: finish_step)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the tasks the lanes run (refit and validate are the drivers' own)
-LANE_TASKS = {"prompts", "generate", "score", "dynamic_sampling", "logprob", "advantages", "train", "checkpoint"}
+#: the tasks the lanes run (checkpoint, refit and validate end every algorithm's step)
+LANE_TASKS = {"prompts", "generate", "score", "dynamic_sampling", "logprob", "advantages", "train"}
 
 
 def _imported_names(path: Path) -> set[str]:

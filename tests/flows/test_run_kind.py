@@ -61,13 +61,14 @@ def test_a_dpo_max_num_steps_below_the_trained_prefix_is_refused(tmp_path, capsy
 
 def test_a_budget_at_or_above_the_trained_prefix_is_not_a_rewind(tmp_path):
     from flows.config.resolve import resolve_config
+    from flows.algorithms.grpo import GRPO
     from flows.run.start import check_not_rewound
     from nrl_tasks.run_layout import RunLayout
 
     root = _trained_run(str(tmp_path / "runs"), "r", TINY_CONFIG, steps=3)
     for steps in (3, 5):
         cfg = resolve_config(None, [f"grpo.max_num_steps={steps}"], root, run_id="r")
-        check_not_rewound(cfg, RunLayout(cfg.storage.root, "r"), "grpo")
+        check_not_rewound(cfg, RunLayout(cfg.storage.root, "r"), GRPO)
 
 
 @pytest.mark.parametrize("run_config, override, needle", [

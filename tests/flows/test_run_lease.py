@@ -129,6 +129,7 @@ def test_a_fenced_writer_commits_and_writes_nothing_after_a_take_over(run_copy, 
     import storage
     from flows.config.resolve import resolve_config
     from flows.run.lease import lease_refusal
+    from flows.algorithms.grpo import GRPO
     from flows.run.session import RunIntent, run_session
     from nrl_tasks.stages.context import RunContext
     from nrl_tasks.stages.runner import run_stage
@@ -142,12 +143,12 @@ def test_a_fenced_writer_commits_and_writes_nothing_after_a_take_over(run_copy, 
             return json.load(fh)
 
     with contextlib.ExitStack() as old_stack:
-        old = old_stack.enter_context(run_session(cfg, E2E_RUN_ID, algorithm="grpo", intent=RunIntent(resume=True)))
+        old = old_stack.enter_context(run_session(cfg, E2E_RUN_ID, recipe=GRPO, intent=RunIntent(resume=True)))
         old_running = old.running(max_steps=3)
         old_running.__enter__()
         old_run = RunContext(E2E_RUN_ID, layout, cfg, tokenizer=None, actors=None)
         old_run.fence = old.fence  # as the session's context() sets it
-        with run_session(cfg, E2E_RUN_ID, algorithm="grpo", intent=RunIntent(resume=True, take_over=True)) as new:
+        with run_session(cfg, E2E_RUN_ID, recipe=GRPO, intent=RunIntent(resume=True, take_over=True)) as new:
             with new.running(max_steps=3):
                 assert status()["status"] == "running"
                 uri = layout.stage_uri(4, "rollouts")

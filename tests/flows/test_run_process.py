@@ -194,6 +194,7 @@ def test_a_failed_runs_status_records_the_root_cause_through_rays_wrappers(ray_s
     import ray
 
     from flows.config.resolve import resolve_config
+    from flows.algorithms.grpo import GRPO
     from flows.run.session import run_session
     from flows.run.state import read_status
     from nrl_tasks.run_layout import RunLayout
@@ -204,8 +205,8 @@ def test_a_failed_runs_status_records_the_root_cause_through_rays_wrappers(ray_s
         def setup(self):
             raise ValueError("policy.dtensor_cfg.lora_cfg.alpha makes the scale overflow")
 
-    cfg = resolve_config(TINY_CONFIG, [], str(tmp_path), algorithm="grpo")
-    with run_session(cfg, "r1", algorithm="grpo") as session:
+    cfg = resolve_config(TINY_CONFIG, [], str(tmp_path), recipe=GRPO)
+    with run_session(cfg, "r1", recipe=GRPO) as session:
         with pytest.raises(ValueError, match="scale overflow"):
             with session.running(max_steps=1):
                 ray.get(Worker.remote().setup.remote())

@@ -1,4 +1,4 @@
-"""The SFT warm start's batch: prompt + `` answer`` + EOS, loss only on the completion."""
+"""SFT's batch (prompt + `` answer`` + EOS, loss only on the completion) and one writer per SFT run."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_sft_batch_masks_the_answer_and_its_eos(tiny_model_dir):
 
 
 def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, ray_session, tiny_model_dir):
-    """The SFT warm start is a run of its own session: while one flow trains it, a second one
+    """An SFT run is a run of its own session: while one flow trains it, a second one
     with the same run id is refused at once, naming the holder, and writes nothing; the holder's
     ``status.json`` says ``running`` with its own process and ``algorithm: sft``."""
     import json
@@ -44,9 +44,9 @@ def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, 
 
     root = str(tmp_path / "runs")
     path = tmp_path / "sft.yaml"
-    path.write_text(yaml.safe_dump(tiny_run_config(tiny_model_dir, root, ray_session)))
+    path.write_text(yaml.safe_dump({**tiny_run_config(tiny_model_dir, root, ray_session), "sft": {"max_num_steps": 100000}}))
     run_id = "busy-sft"
-    code = f"from flows.algorithms.sft import sft; sft(config={str(path)!r}, run_id={run_id!r}, num_steps=100000, batch_size=4)"
+    code = f"from flows.algorithms.sft import sft; sft(config={str(path)!r}, run_id={run_id!r})"
     env = {**os.environ, "PREFECT_API_URL": prefect_harness}
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
@@ -60,7 +60,7 @@ def test_a_second_writer_of_a_running_sft_is_refused(tmp_path, prefect_harness, 
         assert holder.poll() is None, holder.communicate()[0][-3000:]
         before = open(status_path, encoding="utf-8").read()
         with pytest.raises(LeaseHeldError, match=str(holder.pid)):
-            sft(config=str(path), run_id=run_id, num_steps=1, batch_size=4)
+            sft(config=str(path), run_id=run_id, overrides=["sft.max_num_steps=1"])
         assert open(status_path, encoding="utf-8").read() == before  # the refused writer wrote nothing
         status = json.loads(before)
         assert status["algorithm"] == "sft" and status["flow_process"]["pid"] == holder.pid, status
