@@ -76,7 +76,13 @@ def default_algorithm() -> str:
     return "xxh3-128" if _xxhash is not None else "crc32"
 
 
-DEFAULT_ALGORITHM = default_algorithm()
+def __getattr__(name: str) -> str:
+    # DEFAULT_ALGORITHM is read when asked for, not at import: a bad NRL_STORAGE_CHECKSUM or
+    # NRL_STORAGE_* setting is then reported by whoever reads the settings (``nrl`` checks them
+    # first, naming the variable), not as an import-time traceback
+    if name == "DEFAULT_ALGORITHM":
+        return default_algorithm()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def new_hasher(algorithm: str) -> Hasher:

@@ -78,8 +78,8 @@ def wandb_records(path: str) -> Iterator[Any]:
         pos += _HEADER + length
         if len(chunk) < length:
             return
-        buf = chunk if kind in (1, 2) else buf + chunk  # 1 full, 2 first, 3 middle, 4 last
-        if kind in (2, 3):
+        buf = chunk if record_type in (1, 2) else buf + chunk  # 1 full, 2 first, 3 middle, 4 last
+        if record_type in (2, 3):
             continue
         record = pb.Record()
         try:

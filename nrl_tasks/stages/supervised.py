@@ -38,7 +38,7 @@ def eval_sizes(rows: int, gbs: int, mbs: int, dp: int) -> tuple[int, int, int]:
     ranks: the global batch a multiple of ``dp * mbs``, the rows a multiple of the global batch.
 
     >>> eval_sizes(20, 8, 2, 1), eval_sizes(5, 8, 1, 1), eval_sizes(7, 8, 4, 2)
-    ((16, 8, 2), (5, 5, 1), (4, 4, 2))
+    ((16, 8, 2), (5, 5, 1), (6, 6, 3))
     """
     mbs = max(1, min(mbs, rows // max(dp, 1)))
     unit = max(dp, 1) * mbs

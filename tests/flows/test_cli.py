@@ -158,8 +158,8 @@ def test_overrides_go_anywhere_among_the_options(argv, expected, monkeypatch):
     import flows.cli
 
     seen = []
-    monkeypatch.setattr(flows.cli, "_start", lambda kind, config, overrides, storage, run_id: seen.append(
-        (kind, overrides, {"config": config, "storage": storage, "run_id": run_id})) or 0)
+    monkeypatch.setattr(flows.cli, "_start", lambda recipe, config, overrides, storage, run_id: seen.append(
+        (recipe.kind, overrides, {"config": config, "storage": storage, "run_id": run_id})) or 0)
     assert flows.cli.main(argv) == 0
     assert seen == [expected]
 
