@@ -6,6 +6,7 @@
     nrl dpo --config configs/dpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl sft --config configs/sft_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl train --config FILE [key=value ...]       (the config's algorithm: its `algorithm` key or section)
+    nrl pipeline --config configs/pipeline_tiny.yaml [--storage URI] [--run-id ID]   (sft -> dpo -> grpo -> eval)
     nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
     nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K] [--max-prompts N]
     nrl runs [--storage URI]
@@ -38,10 +39,12 @@ from cyclopts.exceptions import CycloptsError, UnusedCliTokensError
 
 from flows.algorithms.registry import RECIPES, recipe_of
 from flows.algorithms.step import flow_label
-from flows.cli_run import EXIT_FAILED, run_flow
+from flows.cli_run import EXIT_FAILED, run_flow, run_pipeline_flow
 from flows.config import ConfigError, read_config_data
 from flows.config.preflight import preflight
 from flows.config.resolve import new_run_id, resolve_config
+from flows.pipeline import apply_pipeline_overrides, load_pipeline, pipeline_exists, plan_stages, read_pipeline
+from flows.pipeline import pipeline as pipeline_flow
 from flows.run.lease import resume_refusal
 from flows.run.process import describe_status
 from flows.run.recipe import Recipe
@@ -154,6 +157,43 @@ def _start(recipe: Recipe, config: str, overrides: list[str], storage: str | Non
 
 
 @app.command(sort_key=len(RECIPES) + 1)
+def pipeline(*, config: str, storage: str = "./runs", run_id: str | None = None) -> int:
+    """Run a post-training pipeline: its stages (e.g. sft, dpo, grpo, eval) in one Prefect flow run, each
+    stage's run from the previous stage's final checkpoint; resume with `nrl resume RUN_ID`.
+
+    Args:
+        config: the pipeline file (e.g. configs/pipeline_tiny.yaml)
+        storage: storage root for the pipeline and its stage runs (<run-id>-<stage>)
+        run_id: the pipeline's id (default: pipeline-YYYYmmdd-HHMMSS-xxxxxx)
+    """
+    if (blank := _blank(storage=storage, run_id=run_id)) is not None:
+        return _error(blank)
+    try:
+        run_id = validate_run_id(run_id) if run_id is not None else new_run_id("pipeline")
+        root = check_storage_root(storage, create=True)
+        if pipeline_exists(root, run_id) or fs.exists(RunLayout(root, run_id).config_uri):
+            raise ConfigError(f"{run_id!r} already exists under {root!r}: use `nrl resume {run_id}`")
+        plans = plan_stages(load_pipeline(config), root, run_id)  # every stage's config and data, one error
+        preflight(plans[0]["cfg"])  # the first stage's model, plug-ins, Ray size (later stages start from its checkpoints)
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"nrl: pipeline {run_id}: {' -> '.join(p['stage'].name for p in plans)} under {root}", flush=True)
+    return run_pipeline_flow(lambda: pipeline_flow(config=config, run_id=run_id, storage=root), RunLayout(root, run_id))
+
+
+def _resume_pipeline(run_id: str, root: str, overrides: list[str]) -> int:
+    """``nrl resume`` of a pipeline: its saved spec (with ``stages.<name>.…`` overrides), checked first."""
+    try:
+        spec = apply_pipeline_overrides(read_pipeline(root, run_id)["spec"], overrides)
+        plan_stages(spec, root, run_id)
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"nrl: resuming pipeline {run_id} at {RunLayout(root, run_id).run_uri}", flush=True)
+    return run_pipeline_flow(lambda: pipeline_flow(run_id=run_id, resume=True, overrides=overrides, storage=root),
+                             RunLayout(root, run_id))
+
+
+@app.command(sort_key=len(RECIPES) + 2)
 def resume(
     run_id: str,
     /,
@@ -184,6 +224,12 @@ def resume(
     overrides_, recompute = list(overrides), list(recompute or [])
     try:
         run_id = validate_run_id(run_id)
+        root = check_storage_root(storage, create=False)
+    except ValueError as exc:
+        return _error(str(exc))
+    if pipeline_exists(root, run_id):  # a pipeline: its stages resume (finished ones are skipped)
+        return _resume_pipeline(run_id, root, overrides_)
+    try:
         recipe = recipe_of(saved_config_data(run_id, check_storage_root(storage, create=False)))  # the run's kind
         cfg = resolve_config(None, overrides_, storage, run_id=run_id, recipe=recipe)
         layout = RunLayout(cfg.storage.root, run_id)
@@ -203,7 +249,7 @@ def resume(
                                        take_over=take_over, recompute=recompute or None, fresh_optimizer=fresh_optimizer), layout)
 
 
-@app.command(name="eval", sort_key=len(RECIPES) + 2)
+@app.command(name="eval", sort_key=len(RECIPES) + 3)
 def eval_(
     target: str, /, *, storage: str = "./runs", dataset: str | None = None, num_samples: int = 4, max_prompts: int | None = None
 ) -> int:
@@ -256,7 +302,7 @@ def eval_(
     return 0
 
 
-@app.command(sort_key=len(RECIPES) + 3)
+@app.command(sort_key=len(RECIPES) + 4)
 def runs(*, storage: str = "./runs") -> int:
     """List runs under a storage root with their last step and status.
 
@@ -299,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_env()
     tokens = list(sys.argv[1:] if argv is None else argv)
     if not tokens:
-        return _error(f"a command is required: {', '.join(RECIPES)}, train, resume, eval or runs (see `nrl --help`)")
+        return _error(f"a command is required: {', '.join(RECIPES)}, train, pipeline, resume, eval or runs (see `nrl --help`)")
     if tokens and tokens[0] in _OVERRIDE_COMMANDS and {"-h", "--help"} & set(tokens):
         app[tokens[0]].help_epilogue = _config_sections()  # imported only for this help
     else:

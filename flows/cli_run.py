@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Self
 
-__all__ = ["EXIT_FAILED", "EXIT_SIGINT", "EXIT_SIGTERM", "print_summary", "run_flow"]
+__all__ = ["EXIT_FAILED", "EXIT_GATED", "EXIT_SIGINT", "EXIT_SIGTERM", "print_summary", "run_flow", "run_pipeline_flow"]
 
 EXIT_FAILED = 1
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
+#: a pipeline stopped at a gate (not a failure: ``nrl resume`` goes on from there)
+EXIT_GATED = 3
 
 
 class _StopSignals:
@@ -62,7 +64,7 @@ def _signal_in(exc: BaseException) -> int | None:
     return next((e.signal for e in exception_chain(exc) if isinstance(e, TerminationSignal)), None)
 
 
-def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
+def run_flow(call: Callable[[], dict[str, Any]], layout: Any, *, summary: bool = True) -> int:
     """Run the flow; exit status 0 only when it returned. Whatever ends it early (an exception,
     ``SystemExit`` or ``KeyboardInterrupt`` from user code such as a reward plug-in, SIGINT,
     SIGTERM) is printed after the resume hint (or, for a refused run lease, the take-over advice),
@@ -91,8 +93,31 @@ def run_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
             if signals.received == signal.SIGINT or isinstance(exc, KeyboardInterrupt):
                 return EXIT_SIGINT
             return EXIT_FAILED
-    print_summary(result, time.perf_counter() - t0)
+    if summary:
+        print_summary(result, time.perf_counter() - t0)
     return 0
+
+
+def run_pipeline_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
+    """Run a pipeline flow as :func:`run_flow` runs a run's: exit 0 when every stage is done,
+    :data:`EXIT_GATED` when a gate stopped it (its message printed), else as :func:`run_flow`."""
+    out: dict[str, Any] = {}
+
+    def call_and_keep() -> dict[str, Any]:
+        out.update(call())
+        return out
+
+    t0 = time.perf_counter()
+    rc = run_flow(call_and_keep, layout, summary=False)
+    if rc:
+        return rc
+    print(f"nrl: {out.get('message')} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name, stage in (out.get("stages") or {}).items():
+        where = stage.get("final_checkpoint") or stage.get("checkpoint")
+        gate = stage.get("gate")
+        held = "" if not gate else f"  gate {gate['rule']}: {gate['value']} ({'held' if gate['held'] else 'not held'})"
+        print(f"nrl:   {name:10} {stage.get('kind', ''):5} {stage.get('run_id', '')}  {stage.get('outcome') or ''} {where or ''}{held}")
+    return EXIT_GATED if out.get("status") == "gated" else 0
 
 
 def print_summary(result: dict, seconds: float) -> None:
