@@ -15,7 +15,7 @@ One start command per registered algorithm (:mod:`flows.algorithms.registry`), e
 code with the algorithm's recipe. ``key=value`` overrides may come before, between or after the options. Defaults: storage
 ``./runs``; no ``PREFECT_API_URL`` -> Prefect's ephemeral API; no Ray address
 (``cluster.ray.address`` or ``RAY_ADDRESS``) -> a local Ray. The command line, the config and
-the storage URI are validated before anything starts (with :func:`flows.config.preflight.preflight`:
+the storage URI are validated before anything starts (with :func:`flows.run.preflight.preflight`:
 reward plug-in, prompt files, a local Ray's size; and the run's lease: one writer per run): a bad
 one prints one clear error and exits with status 2 without starting Ray or a flow run, or writing
 anything. ``nrl runs`` and ``nrl eval`` create nothing: their storage root must exist.
@@ -41,8 +41,8 @@ from flows.algorithms.registry import RECIPES, recipe_of
 from flows.algorithms.step import flow_label
 from flows.cli_run import EXIT_FAILED, run_flow, run_pipeline_flow
 from flows.config import ConfigError, read_config_data
-from flows.config.preflight import preflight
-from flows.config.resolve import new_run_id, resolve_config
+from flows.run.preflight import preflight
+from flows.run.resolve import new_run_id, resolve_config
 from flows.pipeline import apply_pipeline_overrides, load_pipeline, pipeline_exists, plan_stages, read_pipeline
 from flows.pipeline import pipeline as pipeline_flow
 from flows.run.lease import resume_refusal
@@ -264,7 +264,7 @@ def eval_(
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.run.storage_root import check_storage_root
+    from flows.config.storage_root import check_storage_root
 
     try:
         if "/" in target or "://" in target:  # a prefix holding runs: it must exist and hold some
@@ -312,7 +312,7 @@ def runs(*, storage: str = "./runs") -> int:
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
     from flows.run.state import list_runs
-    from flows.run.storage_root import check_storage_root
+    from flows.config.storage_root import check_storage_root
 
     try:
         root = check_storage_root(storage, create=False)

@@ -116,6 +116,8 @@ def run_pipeline_flow(call: Callable[[], dict[str, Any]], layout: Any) -> int:
         where = stage.get("final_checkpoint") or stage.get("checkpoint")
         gate = stage.get("gate")
         held = "" if not gate else f"  gate {gate['rule']}: {gate['value']} ({'held' if gate['held'] else 'not held'})"
+        figures = stage.get("figures") or {}
+        held += "".join(f"  {k} {figures[k]:.3f}" for k in ("accuracy", "pass_at_k") if isinstance(figures.get(k), (int, float)))
         print(f"nrl:   {name:10} {stage.get('kind', ''):5} {stage.get('run_id', '')}  {stage.get('outcome') or ''} {where or ''}{held}")
     return EXIT_GATED if out.get("status") == "gated" else 0
 

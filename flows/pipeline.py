@@ -45,8 +45,8 @@ from flows.algorithms.evaluate import evaluate_checkpoint
 from flows.algorithms.registry import recipe_for
 from flows.config import ConfigError, MasterConfig, config_hash, load_config_dict, read_config_data
 from flows.config.overrides import apply_overrides
-from flows.config.preflight import check_plugins
-from flows.config.resolve import new_run_id, resolve_config
+from flows.run.preflight import check_plugins
+from flows.run.resolve import new_run_id, resolve_config
 from flows.observe.artifacts import KeyedArtifact
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.metrics import read_metrics

@@ -114,7 +114,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     graph = _graph()
     assert "nrl_tasks.stages.errors" in graph["nrl_tasks.stages.refit"]
-    assert "flows.config" in graph["flows.config.resolve"]
+    assert "flows.config" in graph["flows.run.resolve"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -131,3 +131,47 @@ def test_generation_does_not_import_the_policy():
         if dep.startswith("nrl_tasks.models.policy")
     }
     assert bad == set()
+
+
+#: the rooms of ``flows/`` from the bottom up: a module imports only from its own room or a lower
+#: one (ARCHITECTURE.md, "Rooms and their direction"); ``nrl_tasks`` and ``storage`` never import ``flows``
+FLOWS_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("flows.config",),
+    ("flows.observe",),
+    ("flows.run",),
+    ("flows.algorithms",),
+    ("flows.pipeline",),
+    ("flows.cli_run", "flows.cli", "flows.demo"),
+)
+
+
+def _layer(module: str) -> int | None:
+    for i, rooms in enumerate(FLOWS_LAYERS):
+        if any(module == r or module.startswith(r + ".") for r in rooms):
+            return i
+    return None
+
+
+def direction_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` pairs against :data:`FLOWS_LAYERS` (also ``nrl_tasks``/``storage`` -> ``flows``).
+
+    >>> direction_violations({"flows.config.io": {"flows.run.state"}, "flows.run.state": {"flows.config.io"}})
+    [('flows.config.io', 'flows.run.state')]
+    """
+    bad = []
+    for name, deps in graph.items():
+        for dep in deps:
+            if not dep.startswith("flows"):
+                continue
+            if not name.startswith("flows"):
+                bad.append((name, dep))
+                continue
+            a, b = _layer(name), _layer(dep)
+            if a is None or b is None or b > a:
+                bad.append((name, dep))
+    return sorted(bad)
+
+
+def test_flows_rooms_import_downwards_only():
+    assert all(_layer(m) is not None for m in _graph() if m.startswith("flows.")), "a flows module outside every room"
+    assert direction_violations(_graph()) == []

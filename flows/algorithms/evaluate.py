@@ -34,12 +34,13 @@ from flows.observe.artifacts import publish_eval_table
 from flows.observe.eval_view import is_prefix, target_label
 from flows.observe.quiet_logs import quiet_lifecycle_logs
 from flows.config import MasterConfig, load_config
+from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
 from flows.run.session import own_local_ray, reading_session
 from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
 from storage import retry_policy
 
-__all__ = ["MAX_RUN_TAGS", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
+__all__ = ["MAX_RUN_TAGS", "eval_generation", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
 
 #: ``run:<run_id>`` tags an eval flow run carries at most
 MAX_RUN_TAGS = 20
@@ -48,8 +49,20 @@ _HOLD_ROUNDS = 3
 
 
 def load_run_config(run_id: str, root: str, storage_options: dict[str, Any] | None = None) -> MasterConfig:
-    """The saved config of a run, with the storage section replaced by the current one."""
-    return load_config(saved_config_data(run_id, root, storage_options))
+    """The saved config of a run, with the storage section replaced by the current one; a run
+    without generation settings (DPO, SFT) is evaluated with :func:`eval_generation`'s."""
+    return eval_generation(load_config(saved_config_data(run_id, root, storage_options)))
+
+
+def eval_generation(cfg: MasterConfig) -> MasterConfig:
+    """``cfg`` with generation settings for evaluating its checkpoints: its own, or for a run that
+    has none (DPO, SFT: they train without sampling) the HF backend answering in at most a quarter
+    of ``policy.max_total_sequence_length`` tokens (at most 64), greedily and sampled at
+    temperature 1 for pass@k."""
+    if cfg.has_generation:
+        return cfg
+    budget = max(1, min(64, cfg.policy.max_total_sequence_length // 4))
+    return cfg.model_copy(update={"generation": GenerationConfig(backend="hf", max_new_tokens=budget)})
 
 
 def _sweep_run_name() -> str:

@@ -38,7 +38,7 @@ from flows.algorithms.lanes import data_stages, generation_lane, policy_lane, su
 from flows.algorithms.training import flow_run_namer, train_run
 from flows.algorithms.warm_start import ensure_warm_start, with_warm_start_weights
 from flows.config import MasterConfig
-from flows.config.preflight import check_prompt_files
+from flows.run.preflight import check_prompt_files
 from flows.observe.artifacts import rollouts_markdown
 from flows.observe.metrics import build_step_metrics, format_console_line, rebuild_step_metrics
 from flows.observe.summary import GRPO_FIELDS

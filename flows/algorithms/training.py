@@ -33,8 +33,8 @@ from prefect.runtime import flow_run
 from flows.algorithms.driver import StepDriver
 from flows.algorithms.step import StepPlan, publish_step, step_plan, tag_flow_run, without_subflow_heartbeats
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
-from flows.config.preflight import check_plugins
-from flows.config.resolve import new_run_id, resolve_config
+from flows.run.preflight import check_plugins
+from flows.run.resolve import new_run_id, resolve_config
 from flows.observe.artifacts import BackgroundPublisher, RunArtifacts
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs

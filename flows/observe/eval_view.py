@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flows.run.storage_root import normalize_root
+from flows.config.storage_root import normalize_root
 from nrl_tasks.run_layout import parse_step_dir
 
 __all__ = [

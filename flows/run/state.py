@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, load_config_text, saved_config_hash
-from flows.run.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
+from flows.config.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
 from nrl_tasks.run_layout import RunLayout, parse_step_dir
 
 __all__ = [

@@ -300,7 +300,7 @@ def test_nrl_resume_of_a_dpo_run_runs_its_preflight(tmp_path, capsys, monkeypatc
     and starts nothing."""
     from flows.cli import main
     from flows.algorithms.dpo import DPO
-    from flows.config.resolve import resolve_config
+    from flows.run.resolve import resolve_config
     from flows.run.state import init_run
     from nrl_tasks.run_layout import RunLayout
 

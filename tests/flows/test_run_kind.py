@@ -22,7 +22,7 @@ def _trained_run(root: str, run_id: str, config: str, steps: int) -> str:
     import storage
     import torch
 
-    from flows.config.resolve import resolve_config
+    from flows.run.resolve import resolve_config
     from flows.run.state import init_run
     from nrl_tasks.run_layout import RunLayout
 
@@ -60,7 +60,7 @@ def test_a_dpo_max_num_steps_below_the_trained_prefix_is_refused(tmp_path, capsy
 
 
 def test_a_budget_at_or_above_the_trained_prefix_is_not_a_rewind(tmp_path):
-    from flows.config.resolve import resolve_config
+    from flows.run.resolve import resolve_config
     from flows.algorithms.grpo import GRPO
     from flows.run.start import check_not_rewound
     from nrl_tasks.run_layout import RunLayout

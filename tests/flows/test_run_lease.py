@@ -127,7 +127,7 @@ def test_a_fenced_writer_commits_and_writes_nothing_after_a_take_over(run_copy, 
     import json
 
     import storage
-    from flows.config.resolve import resolve_config
+    from flows.run.resolve import resolve_config
     from flows.run.lease import lease_refusal
     from flows.algorithms.grpo import GRPO
     from flows.run.session import RunIntent, run_session

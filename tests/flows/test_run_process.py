@@ -193,7 +193,7 @@ def test_a_failed_runs_status_records_the_root_cause_through_rays_wrappers(ray_s
     (issue 27, item 6b)."""
     import ray
 
-    from flows.config.resolve import resolve_config
+    from flows.run.resolve import resolve_config
     from flows.algorithms.grpo import GRPO
     from flows.run.session import run_session
     from flows.run.state import read_status
