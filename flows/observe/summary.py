@@ -165,8 +165,8 @@ def summary_markdown(
         if ranked:
             v, s, uri = (max if higher_is_better else min)(ranked)
             lines.append(f"| best checkpoint ({metric_name}) | step {s} ({_fmt(v)}): `{uri}` |")
-    for name, url in (links or {}).items():  # tracker runs: a link, or where the files are
-        lines.append(f"| {name} | {f'[{url}]({url})' if url.startswith(('http://', 'https://')) else f'`{url}`'} |")
+    for label, url in (links or {}).items():  # tracker runs: a link, or where the files are
+        lines.append(f"| {label} | {f'[{url}]({url})' if url.startswith(('http://', 'https://')) else f'`{url}`'} |")
     if not plot:  # text curves (Prefect's UI draws these blocks poorly: the plot replaces them there)
         lines += ["", f"{name}, steps {rows[0]['step']}..{step}: `{sparkline(rewards)}`"]
         if evals:
