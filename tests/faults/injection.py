@@ -94,6 +94,10 @@ ACTOR_CALLS: dict[tuple[str, str], tuple[str, ...]] = {
     ("policy", "train"): ("train",),
     ("policy", "logprob"): ("get_logprobs", "get_reference_policy_logprobs"),
     ("policy", "checkpoint"): ("save_checkpoint",),
+    # DPO's and SFT's stages on the policy
+    ("policy", "dpo_train"): ("train",),
+    ("policy", "reference_logprobs"): ("get_reference_policy_logprobs",),
+    ("policy", "sft_train"): ("train",),
     ("policy", "refit"): ("packed_broadcast_producer",),
     ("generation", "generate"): ("generate_batch",),
     ("generation", "refit"): ("packed_broadcast_consumer",),
