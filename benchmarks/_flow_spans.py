@@ -76,7 +76,7 @@ class FlowSpans:
         import prefect.tasks
         import storage
 
-        import flows.algorithms.grpo as grpo
+        import flows.algorithms.training as training
         import flows.algorithms.driver as driver
         import flows.algorithms.step as step
         from flows.observe.artifacts import BackgroundPublisher
@@ -120,7 +120,7 @@ class FlowSpans:
         self._time(BackgroundPublisher, "submit", "metrics")
         # a step: from its start in the step driver to the end of the retention check that closes it
         self._patch(driver.StepDriver, "_begin", lambda old: self._marking(old, before=True))
-        self._patch(grpo, "apply_retention", lambda old: self._marking(old, before=False))
+        self._patch(training, "apply_retention", lambda old: self._marking(old, before=False))
         return self
 
     def _marking(self, old: Callable[..., Any], *, before: bool) -> Callable[..., Any]:

@@ -76,10 +76,10 @@ def compare(label: str, config: str, overrides: list[str], steps: int, tmp: str)
 def learning(steps: int, sft_steps: int, tmp: str) -> dict[str, Any]:
     """SFT warm start once, then sync and async GRPO from it: first 3 vs last 3 steps' reward."""
     from flows.demo import DEMO_CONFIG
-    from flows.algorithms.sft import sft
+    from flows.algorithms.warm_start import run_sft_warm_start
 
-    warm = sft(config=DEMO_CONFIG, run_id="bench-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
-    base = ["logger.step_subflows=false", "warm_start.sft_steps=0", f"policy.model_name={warm['weights']}"]
+    warm = run_sft_warm_start(DEMO_CONFIG, "bench-warm", steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
+    base = ["logger.step_subflows=false", "warm_start.sft_steps=0", f"policy.model_name={warm}"]
     sync = run(DEMO_CONFIG, base, steps, "learn-sync", tmp)
     asyn = run(DEMO_CONFIG, [*base, *ASYNC], steps, "learn-async", tmp)
     print(f"### learning: tiny model, SFT warm start ({sft_steps} steps), then {steps} GRPO steps")

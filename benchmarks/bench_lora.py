@@ -346,11 +346,10 @@ def learning(mode: str, steps: int, sft_steps: int, lr_factor: float, overrides:
         label = f"SmolLM2-135M-Instruct ({os.path.basename(config)}, no few-shot, exact-match reward)"
     elif mode == "tiny-demo":
         from flows.demo import DEMO_CONFIG
-        from flows.algorithms.sft import sft
+        from flows.algorithms.warm_start import run_sft_warm_start
 
-        warm = sft(config=DEMO_CONFIG, run_id="bench-lora-warm", num_steps=sft_steps, storage=os.path.join(tmp, "warm"),
-                   lr=3e-3)
-        config, base = DEMO_CONFIG, ["warm_start.sft_steps=0", f"policy.model_name={warm['weights']}"]
+        warm = run_sft_warm_start(DEMO_CONFIG, "bench-lora-warm", steps=sft_steps, storage=os.path.join(tmp, "warm"), lr=3e-3)
+        config, base = DEMO_CONFIG, ["warm_start.sft_steps=0", f"policy.model_name={warm}"]
         label = f"tiny model ({os.path.basename(config)}), SFT warm start of {sft_steps} steps (shared)"
     else:
         config, base, label = TINY_CONFIG, [], f"tiny model ({os.path.basename(TINY_CONFIG)}), smoke run, no warm start"

@@ -28,12 +28,13 @@ from typing import Any
 
 from flows.algorithms.sft import sft
 from flows.config import MasterConfig
+from flows.run.resolve import resolve_config
 from storage import fs
 from nrl_tasks.config.sft import SFTConfig
 from nrl_tasks.run_layout import RunLayout, join_uri
 from nrl_tasks.stages.checkpoint import is_checkpoint_committed
 
-__all__ = ["ensure_warm_start", "warm_start_config", "warm_start_run_id", "warm_start_weights", "with_warm_start_weights"]
+__all__ = ["ensure_warm_start", "run_sft_warm_start", "warm_start_config", "warm_start_run_id", "warm_start_weights", "with_warm_start_weights"]
 
 #: the warm start's draw of rows is independent of the GRPO run's draw of prompts
 SEED_OFFSET = 1_000_003
@@ -76,6 +77,15 @@ def warm_start_config(cfg: MasterConfig) -> dict[str, Any]:
         "checkpointing": cfg.checkpointing.model_copy(update={"save_period": ws.sft_steps, "save_optimizer": False}),
     })
     return base.model_dump(mode="json", exclude={"loss_fn", "dpo"})
+
+
+def run_sft_warm_start(config: Any, run_id: str, *, steps: int, storage: str, lr: float | None = None) -> str:
+    """An SFT run ``run_id`` as GRPO config ``config``'s warm start would train it (``steps``
+    steps, learning rate ``lr``), outside a GRPO run (benchmarks share one); its final weights."""
+    overrides = [f"warm_start.sft_steps={steps}", *([f"warm_start.lr={lr}"] if lr is not None else [])]
+    cfg = resolve_config(config, overrides, storage)
+    sft(config=warm_start_config(cfg), run_id=run_id, storage=cfg.storage.root)
+    return join_uri(RunLayout(cfg.storage.root, run_id).checkpoint_uri(steps), "weights")
 
 
 def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
