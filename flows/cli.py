@@ -30,26 +30,25 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Annotated
-
-from typing import Any
+from typing import Annotated, Any
 
 from cyclopts import App, Parameter
 from cyclopts.exceptions import CycloptsError, UnusedCliTokensError
 
+from flows.algorithms.evaluate import eval_sweep
 from flows.algorithms.registry import RECIPES, recipe_of
 from flows.algorithms.step import flow_label
 from flows.cli_run import EXIT_FAILED, run_flow, run_pipeline_flow
-from flows.config import ConfigError, read_config_data
-from flows.run.preflight import preflight
-from flows.run.resolve import new_run_id, resolve_config
+from flows.config import ConfigError, MasterConfig, read_config_data
 from flows.pipeline import apply_pipeline_overrides, load_pipeline, pipeline_exists, plan_stages, read_pipeline
 from flows.pipeline import pipeline as pipeline_flow
 from flows.run.lease import resume_refusal
+from flows.run.preflight import preflight
 from flows.run.process import describe_status
 from flows.run.recipe import Recipe
+from flows.run.resolve import new_run_id, resolve_config
 from flows.run.start import plan_start
-from flows.run.state import check_storage_root, read_status, saved_config_data
+from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 from storage import fs
 
@@ -280,7 +279,6 @@ def eval_(
             load_run_config(validate_run_id(target), check_storage_root(storage, create=False))
     except ValueError as exc:
         return _error(str(exc))
-    from flows.algorithms.evaluate import eval_sweep
 
     try:
         res = eval_sweep(target, storage=storage, dataset=dataset, num_samples=num_samples, max_prompts=max_prompts)
@@ -311,7 +309,6 @@ def runs(*, storage: str = "./runs") -> int:
     """
     if (blank := _blank(storage=storage)) is not None:
         return _error(blank)
-    from flows.run.state import list_runs
     from flows.config.storage_root import check_storage_root
 
     try:
@@ -335,7 +332,6 @@ def runs(*, storage: str = "./runs") -> int:
 
 def _config_sections() -> str:
     """The config model's sections, for the help of the commands that take ``key=value`` overrides."""
-    from flows.config import MasterConfig
 
     return "Config sections (key=value overrides; flows/config/__init__.py): " + ", ".join(MasterConfig.model_fields) + "."
 

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Self
 
+from nrl_tasks.stages.errors import exception_chain
+
 __all__ = ["EXIT_FAILED", "EXIT_GATED", "EXIT_SIGINT", "EXIT_SIGTERM", "print_summary", "run_flow", "run_pipeline_flow"]
 
 EXIT_FAILED = 1
@@ -58,8 +60,6 @@ def _signal_in(exc: BaseException) -> int | None:
     ``TerminationSignal`` leaves the flow; one raised while C code ran (inside ``ray.get``) leaves
     as ``SystemError: <built-in method ...> returned a result with an exception set`` caused by it."""
     from prefect.exceptions import TerminationSignal
-
-    from nrl_tasks.stages.errors import exception_chain
 
     return next((e.signal for e in exception_chain(exc) if isinstance(e, TerminationSignal)), None)
 

@@ -20,14 +20,20 @@ import os
 import sys
 import time
 
+from flows.cli import _quiet_env
+from flows.cli import main as nrl
+from flows.config import load_config
+from flows.observe.metrics import read_metrics
+from flows.run.state import normalize_root
+from nrl_tasks.models.builtin import resolve_model_path
+from nrl_tasks.run_layout import RunLayout
+
 _CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 DEMO_CONFIG = os.path.join(_CONFIGS, "grpo_tiny_demo.yaml")
 SMOLLM2_CONFIG = os.path.join(_CONFIGS, "grpo_smollm2.yaml")
 
 
 def _env() -> None:
-    from flows.cli import _quiet_env
-
     _quiet_env()  # the same quiet, offline defaults as the `nrl` CLI
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
@@ -50,10 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_id = args.run_id or f"demo-{stamp}"
 
-    from flows.cli import main as nrl
-    from flows.config import load_config
-    from nrl_tasks.models.builtin import resolve_model_path
-
     if args.smollm2:
         config = SMOLLM2_CONFIG if args.config == DEMO_CONFIG else args.config
         cfg = load_config(config, args.overrides)
@@ -73,10 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, run_id: str, t0: float) -> int:
-    from flows.observe.metrics import read_metrics
-    from nrl_tasks.run_layout import RunLayout
-    from flows.run.state import normalize_root
-
     layout = RunLayout(normalize_root(args.storage), run_id)
     rows = read_metrics(layout.metrics_uri)
     rewards = [r.get("reward_mean") or 0.0 for r in rows]

@@ -25,6 +25,8 @@ import os
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from storage.settings import StorageSettings
+
 __all__ = [
     "DEFAULT_MODEL_CACHE",
     "NrlSettings",
@@ -136,8 +138,6 @@ def settings_problems() -> list[str]:
     from pydantic import ValidationError
 
     def storage_settings() -> object:  # importing ``storage`` reads its settings already
-        from storage.settings import StorageSettings
-
         return StorageSettings()
 
     out: list[str] = []

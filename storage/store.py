@@ -19,6 +19,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 import numpy as np
 import pyarrow as pa
 
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from storage import fs as sfs
 from storage.codec import decode_column
 from storage.commit import save_batch, shard_ranges
@@ -215,7 +216,6 @@ def load_batch(
     into memory. ``copy=True`` clones tensors so nothing refers to the mapping. Tensors come
     back on CPU. ``columns`` loads a subset of columns, in the given order.
     """
-    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
     uri = os.fspath(uri)
     mode = _verify_mode(verify)

@@ -29,16 +29,25 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
+import storage
+import storage as _st
+from flows.config import MasterConfig, load_config
 from flows.observe.artifacts import publish_eval_table
 from flows.observe.eval_view import is_prefix, target_label
+from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.quiet_logs import quiet_lifecycle_logs
-from flows.config import MasterConfig, load_config
-from nrl_tasks.models.generation.interfaces import GenerationConfig
-from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from flows.observe.trackers import open_trackers
+from flows.run.ray_session import connect_ray
 from flows.run.session import own_local_ray, reading_session
 from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
-from storage import retry_policy
+from nrl_tasks.models.generation.interfaces import GenerationConfig
+from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from nrl_tasks.stages.checkpoint import is_checkpoint_committed, list_checkpoints
+from nrl_tasks.stages.common import manifest_dict
+from nrl_tasks.stages.data import load_prompt_file
+from nrl_tasks.stages.evaluate import _eval_key, evaluate
+from nrl_tasks.stages.holds import hold_checkpoint, is_deleting
+from storage import fs, retry_policy
 
 __all__ = ["MAX_RUN_TAGS", "eval_generation", "eval_sweep", "evaluate_checkpoint", "load_run_config", "tag_eval_run"]
 
@@ -108,11 +117,6 @@ def _hold_pending(
     between the listing and its hold is dropped and the run listed again (a newer one has come),
     at most :data:`_HOLD_ROUNDS` times; what is still gone then is reported as vanished.
     Returns the checkpoints to evaluate, oldest first, and their holds (released by the caller)."""
-    import storage as _st
-
-    from nrl_tasks.stages.checkpoint import is_checkpoint_committed, list_checkpoints
-    from nrl_tasks.stages.evaluate import _eval_key
-    from nrl_tasks.stages.holds import hold_checkpoint, is_deleting
 
     holds: dict[str, Any] = {}
     pending: dict[str, int] = {}
@@ -149,8 +153,6 @@ def _hold_pending(
 
 
 def _records(cfg: MasterConfig, run_id: str, dataset: str | None, max_prompts: int | None) -> list[dict[str, str]]:
-    from nrl_tasks.stages.data import load_prompt_file
-
     if dataset:
         recs = load_prompt_file(
             dataset, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
@@ -178,9 +180,6 @@ def evaluate_checkpoint(
     max_prompts: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate checkpoint ``checkpoint`` (e.g. ``step_000004``) of ``run_id``; returns its summary."""
-    from nrl_tasks.stages.evaluate import evaluate
-
-    from flows.run.ray_session import connect_ray
 
     root = check_storage_root(storage or "./runs", create=False)
     tag_eval_run([run_id])
@@ -208,7 +207,6 @@ def report_to_trackers(cfg: MasterConfig, run_id: str, results: Sequence[tuple[i
     lg = cfg.logger
     if not results or not (lg.tensorboard_enabled or lg.mlflow_enabled or lg.wandb_enabled):
         return
-    from flows.observe.trackers import open_trackers
 
     names = {"eval_accuracy": "accuracy", "eval_pass_at_k": "pass_at_k", "eval_sample_reward_mean": "sample_reward_mean",
              "eval_turns_mean": "turns_mean"}
@@ -222,10 +220,6 @@ def report_to_trackers(cfg: MasterConfig, run_id: str, results: Sequence[tuple[i
 
 def _eval_rows(root: str, run_id: str, storage_options: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One row per committed evaluation of a run (from the manifests)."""
-    import storage
-    from storage import fs
-
-    from nrl_tasks.stages.common import manifest_dict
 
     layout = RunLayout(root, run_id)
     rows = []
@@ -314,9 +308,6 @@ def _sweep_checkpoints(
     cfg: MasterConfig, root: str, run_id: str, dataset: str | None, num_samples: int, max_prompts: int | None,
     out: dict[str, list[Any]],
 ) -> list[dict[str, Any]]:
-    from flows.run.ray_session import connect_ray
-    from nrl_tasks.stages.evaluate import evaluate
-
     logger = get_run_logger()
     layout = RunLayout(root, run_id)
     recs = None

@@ -14,18 +14,18 @@ import time
 from typing import Any
 
 from flows.config import MasterConfig
+from nrl_tasks.stages.advantages import compute_advantages
+from nrl_tasks.stages.generate import build_prompt_batch, generation_input, rollouts_from_generation
+from nrl_tasks.stages.logprob import compute_logprobs
+from nrl_tasks.stages.refit import refit_weights
+from nrl_tasks.stages.score import compute_rewards
+from nrl_tasks.stages.train import build_train_data, run_train
 
 __all__ = ["run_in_memory"]
 
 
 def run_in_memory(rt: Any, cfg: MasterConfig, num_steps: int, records: list[dict[str, str]]) -> list[dict[str, Any]]:
     """Run ``num_steps`` GRPO steps on the runtime's actors; per-step seconds of each stage."""
-    from nrl_tasks.stages.advantages import compute_advantages
-    from nrl_tasks.stages.generate import build_prompt_batch, generation_input, rollouts_from_generation
-    from nrl_tasks.stages.logprob import compute_logprobs
-    from nrl_tasks.stages.refit import refit_weights
-    from nrl_tasks.stages.score import compute_rewards
-    from nrl_tasks.stages.train import build_train_data, run_train
 
     out = []
     for step in range(1, num_steps + 1):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from storage import fs
+
 __all__ = ["check_storage_root", "normalize_root"]
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 

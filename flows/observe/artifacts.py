@@ -21,6 +21,8 @@ import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
+from flows.observe.eval_view import eval_view_markdown, ui_page_url, view_digest
+
 __all__ = [
     "BackgroundPublisher",
     "KeyedArtifact",
@@ -275,8 +277,6 @@ class SummaryHandle(KeyedArtifact):
         from prefect import get_run_logger
         from prefect.settings import get_current_settings
 
-        from flows.observe.eval_view import ui_page_url
-
         ui = get_current_settings().ui_url
         if ui:
             get_run_logger().info("summary of run %s (updated every step): %s", self.run_id, ui_page_url(ui, f"artifacts/key/{self.key}"))
@@ -336,8 +336,6 @@ def publish_eval_view(key_name: str, markdown: str) -> bool:
         return False
     from prefect.artifacts import create_markdown_artifact
 
-    from flows.observe.eval_view import view_digest
-
     key, digest = artifact_key(key_name, "evals"), view_digest(markdown)
     try:
         latest = _latest_artifact(key)
@@ -362,7 +360,6 @@ def publish_eval_table(
     """The eval view of ``rows`` (:func:`flows.observe.eval_view.eval_view_markdown`; ``runs``: per run id
     its flow-run id, storage URI and UI URL), published by :func:`publish_eval_view`. (The name is
     from when it was a table.)"""
-    from flows.observe.eval_view import eval_view_markdown
 
     try:
         markdown = eval_view_markdown(key_name, rows, runs)

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flows.config.storage_root import normalize_root
+from flows.observe.plot import GREEN, PALETTE, Series, line_plot_png, png_data_uri
 from nrl_tasks.run_layout import parse_step_dir
 
 __all__ = [
@@ -182,7 +183,6 @@ def _dataset_section(dataset: str, rows: list[Mapping[str, Any]], table_rows: in
 
 def _plot_section(by_run: Mapping[str, Mapping[str, list[Mapping[str, Any]]]], run_ids: Sequence[str]) -> list[str]:
     """The view's plot (see the module docstring) as markdown lines; none when nothing has an accuracy."""
-    from flows.observe.plot import GREEN, PALETTE, Series, line_plot_png, png_data_uri
 
     pairs = [(r, d) for r in run_ids for d in sorted(by_run[r], key=lambda d: (d != "val", d))[:MAX_DATASETS]][-PLOT_SERIES:]
     series = []

@@ -34,8 +34,13 @@ import logging
 import math
 from typing import Any, Callable, Mapping
 
+import storage
+from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
+from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import GRPO_GRAPH, STAGES, StageGraph
+from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.utils.jsonl import jsonl_lines
+from storage import fs
 
 __all__ = [
     "build_step_metrics",
@@ -66,8 +71,6 @@ DYNAMIC_SAMPLING_KEYS = (
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 
@@ -250,11 +253,6 @@ def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any]
     """The metrics line of trained step ``step`` from what storage holds (its committed
     datasets, its ``val`` and checkpoint), marked ``"rebuilt": true``; see the module docstring
     for what it lacks."""
-    import storage
-
-    from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
-    from nrl_tasks.stages.errors import DamagedRunError
-    from nrl_tasks.stages.refs import DatasetRef
 
     kw = {"storage_options": storage_options} if storage_options else {}
 

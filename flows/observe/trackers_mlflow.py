@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows.config import MLflowConfig
 from flows.observe.tracker_fields import eval_fields, redact_url, scalar_fields
 
 if TYPE_CHECKING:
@@ -83,8 +84,6 @@ class MLflowTracker:
         self, log_dir: str, run_id: str, cfg: MLflowConfig | None = None, config: Mapping[str, Any] | None = None
     ) -> None:
         from mlflow.tracking import MlflowClient
-
-        from flows.config import MLflowConfig
 
         cfg = cfg or MLflowConfig()
         self.tracking_uri = cfg.tracking_uri or default_tracking_uri(log_dir)

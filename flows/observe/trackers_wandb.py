@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from flows.config import WandbConfig
 from flows.observe.tracker_fields import eval_fields, scalar_fields
 
 if TYPE_CHECKING:
@@ -122,8 +123,6 @@ class WandbTracker:
         self, log_dir: str, run_id: str, cfg: WandbConfig | None = None, config: Mapping[str, Any] | None = None
     ) -> None:
         import wandb
-
-        from flows.config import WandbConfig
 
         cfg = cfg or WandbConfig()
         self.path = os.path.abspath(os.path.join(log_dir, run_id))

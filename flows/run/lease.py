@@ -34,6 +34,7 @@ from flows.run.hints import resume_command
 from nrl_tasks.run_layout import RunLayout, join_uri
 from nrl_tasks.settings import NrlSettings, nrl_settings
 from nrl_tasks.stages.errors import exception_chain
+from storage.lease import LeaseUnreadableError, RunLease, lease_is_live, read_lease
 
 __all__ = [
     "LeaseSettings",
@@ -74,7 +75,6 @@ def hold_run_lease(
     settings: LeaseSettings | None = None,
 ) -> Any:
     """Acquire the run's lease and start its heartbeat; ``LeaseHeldError`` while another holder is live."""
-    from storage.lease import RunLease
 
     s = settings or LeaseSettings()
     lease = RunLease(
@@ -95,7 +95,6 @@ def check_fence(lease: Any) -> None:
 def live_holder(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> Any:
     """The live holder of the run's lease (a ``LeaseHolder``), or ``None``;
     ``storage.lease.LeaseUnreadableError`` naming the current lease file when it cannot be read."""
-    from storage.lease import lease_is_live, read_lease
 
     holder = read_lease(lease_uri(layout), storage_options=storage_options)
     return holder if holder is not None and lease_is_live(holder) else None
@@ -111,7 +110,6 @@ def _unreadable_advice(run_id: str) -> str:
 def resume_refusal(layout: RunLayout, storage_options: dict[str, Any] | None = None) -> str | None:
     """Why ``nrl resume`` (without ``--take-over``) must not start the run, in one line: another
     live writer, or an unreadable lease file (named); ``None`` when the lease is free."""
-    from storage.lease import LeaseUnreadableError
 
     run_id = layout.run_id
     try:

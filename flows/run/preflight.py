@@ -26,7 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flows.config import MasterConfig
+from flows.run.plugins import load_observers
+from flows.run.ray_session import check_local_ray_size
+from nrl_tasks.environments.loading import make_environment
+from nrl_tasks.environments.rewards import load_reward_fn
+from nrl_tasks.models.builtin import is_builtin, is_known_builtin, resolve_model_path
+from nrl_tasks.models.policy.workers.lora import check_lora_targets
 from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.data import load_prompt_records
 
 __all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins", "check_prompt_files", "check_reward_fn", "preflight"]
 
@@ -38,7 +45,6 @@ def _needs_val_split(cfg: MasterConfig) -> bool:
 def check_reward_fn(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``env.reward_fn`` when it does not import or is not callable (the
     flow calls this too, before Ray starts: a deployment run skips the CLI's preflight)."""
-    from nrl_tasks.environments.rewards import load_reward_fn
 
     if cfg.env.reward_fn is not None:
         try:
@@ -51,7 +57,6 @@ def check_environment(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``env.environment`` when the environment does not import, is not an
     environment class or cannot be built with ``env.environment_kwargs`` (built here once, in this
     process, before Ray starts; whatever its constructor raises, an exit included, is a ``ValueError``)."""
-    from nrl_tasks.environments.loading import make_environment
 
     env = cfg.env
     if env.environment is None:
@@ -79,8 +84,6 @@ def check_model_path(cfg: MasterConfig) -> None:
     id (``org/name``) is left to the loader."""
     import os
 
-    from nrl_tasks.models.builtin import is_builtin, is_known_builtin
-
     for key, name in (("policy.model_name", cfg.policy.model_name), ("policy.tokenizer.name", cfg.policy.tokenizer.name)):
         if not name:
             continue
@@ -99,8 +102,6 @@ def check_lora(cfg: MasterConfig) -> None:
     lora = cfg.policy.dtensor_cfg.lora_cfg
     if not lora.enabled:
         return
-    from nrl_tasks.models.builtin import resolve_model_path
-    from nrl_tasks.models.policy.workers.lora import check_lora_targets
 
     check_lora_targets(resolve_model_path(cfg.policy.model_name), lora)
 
@@ -110,8 +111,6 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None, *,
     """Raise ``ValueError`` for the first problem of ``cfg`` found without starting anything
     (``layout``: the run a resume continues; ``check_data``: the run's algorithm's data check,
     its recipe's ``check_data``)."""
-    from flows.run.plugins import load_observers
-    from flows.run.ray_session import check_local_ray_size
 
     check_model_path(cfg)
     check_lora(cfg)
@@ -125,7 +124,6 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None, *,
 def check_prompt_files(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``data.train_path`` / ``data.val_path`` (GRPO's prompt files) when one
     does not read, or the train split is empty."""
-    from nrl_tasks.stages.data import load_prompt_records
 
     opts = cfg.storage.storage_options or None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])

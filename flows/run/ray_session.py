@@ -16,6 +16,7 @@ import time
 from typing import Iterator
 
 from flows.config import MasterConfig
+from nrl_tasks.distributed.virtual_cluster import init_ray, local_head_session_dir
 
 __all__ = [
     "MAX_LOCAL_ACTORS_PER_CORE",
@@ -78,7 +79,6 @@ def connect_ray(cfg: MasterConfig, namespace: str | None = None) -> str:
     (:func:`namespace_for`): the next flow process of the run (a resume) then finds and reuses
     them instead of reserving new ones, and a cleanup can remove them by name.
     """
-    from nrl_tasks.distributed.virtual_cluster import init_ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = cfg.cluster.ray.address
@@ -113,7 +113,6 @@ def ray_connected() -> bool:
 
 def local_ray_session() -> str | None:
     """Session directory of the local Ray head this process started, else ``None``."""
-    from nrl_tasks.distributed.virtual_cluster import local_head_session_dir
 
     return local_head_session_dir()
 

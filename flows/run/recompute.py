@@ -32,8 +32,9 @@ their source still holds them (:func:`nrl_tasks.stages.preferences.snapshot_repa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+import storage
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages import graph
 from nrl_tasks.stages.errors import DamagedRunError
@@ -127,7 +128,6 @@ def find_damaged(
 ) -> list[DamagedDataset]:
     """The committed datasets a resume reads that fail full verification (``skip``: ``(step, dataset)``;
     ``window``: the :func:`resume_window`, when the caller has it; ``g``: the run's stage graph)."""
-    import storage
 
     anchor, last = window or resume_window(layout, storage_options)
     skip = set(skip)
@@ -247,7 +247,6 @@ def apply_recompute(
     """Delete what :func:`plan_recompute` names (manifest first: never half-valid); the deleted URIs.
     ``deletes``: that list when the caller has it (the resume entry planned it), so the run's
     checkpoint files are not verified a second time."""
-    import storage
 
     deleted = []
     for step, ds in plan_recompute(layout, specs, storage_options) if deletes is None else deletes:

@@ -41,8 +41,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from nrl_tasks.run_layout import GEN_BATCHES_DIR, RunLayout, join_uri
+import storage
+from flows.observe.metrics import read_metrics
+from flows.run.state import existing_steps
+from nrl_tasks.run_layout import GEN_BATCHES_DIR, RunLayout, checkpoint_name, join_uri
+from nrl_tasks.stages.checkpoint import COMMIT_FILE, list_checkpoints
 from nrl_tasks.stages.graph import STEP_INPUTS
+from nrl_tasks.stages.holds import is_held, mark_deleting
+from storage import fs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
@@ -186,8 +192,6 @@ def plan_retention(
 # applying a plan to storage
 
 def _step_has_batches(layout: RunLayout, step: int, opts: dict[str, Any] | None, prunable: tuple[str, ...]) -> bool:
-    from storage import fs
-
     uri = layout.step_uri(step)
     if not fs.exists(uri, storage_options=opts):
         return False
@@ -200,8 +204,6 @@ def delete_step_batches(
 ) -> list[str]:
     """Delete the prunable datasets of ``step`` (``prunable``: the step's datasets before ``train``
     in its algorithm's stage graph; manifest first); returns the URIs deleted."""
-    import storage
-    from storage import fs
 
     kw = {"storage_options": storage_options} if storage_options else {}
     out = []
@@ -226,9 +228,6 @@ def delete_step_batches(
 
 def delete_checkpoint(uri: str, storage_options: dict[str, Any] | None = None) -> None:
     """Uncommit (``checkpoint.json`` first), then delete a checkpoint's files; idempotent."""
-    from storage import fs
-
-    from nrl_tasks.stages.checkpoint import COMMIT_FILE
 
     fs.remove(join_uri(uri, COMMIT_FILE), storage_options=storage_options)
     fs.remove(uri, recursive=True, storage_options=storage_options)
@@ -243,8 +242,6 @@ def delete_unheld_checkpoint(
     The deletion mark goes before the look for holds, as a reader's hold goes before its look
     for the mark and for ``checkpoint.json``: of a racing pair, at least one sees the other.
     """
-    from nrl_tasks.run_layout import checkpoint_name
-    from nrl_tasks.stages.holds import is_held, mark_deleting
 
     name = checkpoint_name(step)
     if is_held(layout, name, storage_options):
@@ -261,7 +258,6 @@ def delete_unheld_checkpoint(
 
 def checkpoint_scores(layout: RunLayout, metric_name: str, storage_options: dict[str, Any] | None = None) -> dict[int, float]:
     """``{step: metric}`` from ``metrics.jsonl`` (steps where the metric is recorded)."""
-    from flows.observe.metrics import read_metrics
 
     out = {}
     for row in read_metrics(layout.metrics_uri, storage_options):
@@ -293,8 +289,6 @@ def apply_retention(
     }
     if not policy.active:
         return result
-    from flows.run.state import existing_steps
-    from nrl_tasks.stages.checkpoint import list_checkpoints
 
     cks = list_checkpoints(layout.checkpoints_uri, storage_options)
     ck_uri = dict(cks)

@@ -23,6 +23,11 @@ from typing import Any, Callable
 from flows.config import MasterConfig
 from flows.run.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
 from flows.run.recipe import Actors
+from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
+from nrl_tasks.environments.loading import EnvironmentWorkers
+from nrl_tasks.models.builtin import resolve_model_path
+from nrl_tasks.models.generation.hf_generation import HfGeneration
+from nrl_tasks.models.policy.lm_policy import Policy
 from nrl_tasks.run_layout import RunLayout, namespace_for
 from nrl_tasks.stages.context import Observers, RunContext
 from nrl_tasks.stages.graph import GRPO_GRAPH, StageGraph
@@ -74,8 +79,6 @@ class Runtime:
 
     # ------------------------------------------------------------------ actors
     def _cluster(self, role: str, workers: int, cpus: float) -> Any:
-        from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
-
         name = f"{self.run_id}-{role}"
         ray_cfg = self.cfg.cluster.ray  # custom resources pin a group to the nodes that have them
         extra = {"policy": ray_cfg.policy_resources, "generation": ray_cfg.generation_resources}.get(role)
@@ -93,7 +96,6 @@ class Runtime:
 
     def start_policy(self, *, fresh: bool = False) -> bool:
         """Attach to the run's Policy actors or create them. Returns True when attached."""
-        from nrl_tasks.models.policy.lm_policy import Policy
 
         cfg = self.cfg
         pc = cfg.policy_config()
@@ -113,7 +115,6 @@ class Runtime:
 
     def start_generation(self, *, fresh: bool = False) -> bool:
         """Attach to the run's generation workers or create them. Returns True when attached."""
-        from nrl_tasks.models.generation.hf_generation import HfGeneration
 
         gen = self.cfg.generation_config()
         if gen.colocated.enabled:  # sampling inside the policy workers: no actors of its own
@@ -144,9 +145,6 @@ class Runtime:
         """A sequence-classification Policy used by ``score`` when ``env.reward_model.enabled``."""
         if not self.cfg.env.reward_model.enabled:
             return
-        from nrl_tasks.models.policy.lm_policy import Policy
-
-        from nrl_tasks.models.builtin import resolve_model_path
 
         data = self.cfg.policy_config().model_dump(mode="json")
         data.update(
@@ -170,7 +168,6 @@ class Runtime:
         env = self.cfg.env
         if env.environment is None or self.environment is not None:
             return
-        from nrl_tasks.environments.loading import EnvironmentWorkers
 
         self.environment = EnvironmentWorkers(env.environment, env.environment_kwargs, env.num_workers, namespace=self.namespace)
 
@@ -203,8 +200,6 @@ class Runtime:
                 RayVirtualCluster.attach(f"{self.run_id}-{role}", self.namespace, pg_timeout_s=5).shutdown()
             except Exception:  # noqa: BLE001 - none left
                 pass
-
-
 
 
 def _kill_group(rt: Runtime, role: str, prefix: str) -> None:

@@ -42,6 +42,7 @@ from flows.run.recipe import Recipe
 from flows.run.recompute import parse_recompute, plan_recompute
 from flows.run.state import check_config_hash, trained_prefix
 from nrl_tasks.run_layout import RunLayout
+from nrl_tasks.stages.checkpoint import has_optimizer_state, read_checkpoint_info
 from nrl_tasks.stages.resume_plan import ActorHealth, ResumePlan, RunFacts, plan_resume, read_run_facts
 
 __all__ = ["StartPlan", "check_not_rewound", "check_optimizer_state", "plan_start"]
@@ -121,7 +122,6 @@ def check_optimizer_state(
     uninterrupted run's (weights, rollouts, loss). With ``fresh_optimizer`` too when steps were
     trained after the checkpoint: a replay must reproduce their recorded weights, which a fresh
     optimizer cannot (the run refuses there rather than failing after start-up)."""
-    from nrl_tasks.stages.checkpoint import has_optimizer_state, read_checkpoint_info
 
     step = restore_from
     if not step or not trains:

@@ -16,9 +16,25 @@ import json
 import time
 from typing import Any
 
-from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, load_config_text, saved_config_hash
+import storage
+from flows.config import (
+    ConfigError,
+    MasterConfig,
+    changed_keys,
+    config_hash,
+    config_to_yaml,
+    load_config,
+    load_config_text,
+    saved_config_hash,
+)
+from flows.config.io import load_yaml_text
 from flows.config.storage_root import check_storage_root, normalize_root  # noqa: F401 - kept importable here
+from flows.run.hints import from_deployment, resume_command
+from flows.run.lease import live_holder, resume_refusal
+from flows.run.process import describe_status
 from nrl_tasks.run_layout import RunLayout, parse_step_dir
+from storage import fs
+from storage.lease import LeaseUnreadableError
 
 __all__ = [
     "check_storage_root",
@@ -31,8 +47,6 @@ __all__ = [
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 
@@ -60,7 +74,6 @@ def write_status(layout: RunLayout, storage_options: dict[str, Any] | None = Non
 
 def _how_to_resume(run_id: str) -> str:
     """What to do about an existing run id, in the words of where the flow was started (:mod:`flows.run.hints`)."""
-    from flows.run.hints import from_deployment, resume_command
 
     if from_deployment():
         return f"continue it with {resume_command(run_id, deployed=True)}, or pass another run_id"
@@ -110,8 +123,6 @@ def check_config_hash(layout: RunLayout, cfg: MasterConfig) -> str:
 
 def _changed(saved_text: str, cfg: MasterConfig, source: str) -> str:
     """``" (changed: a.b, c.d)"``: the keys ``cfg`` changes against a saved config text ("" if unknown)."""
-    from flows.config import changed_keys, load_config
-    from flows.config.io import load_yaml_text
 
     try:
         data = load_yaml_text(saved_text, source)
@@ -124,7 +135,6 @@ def _changed(saved_text: str, cfg: MasterConfig, source: str) -> str:
 
 def trained_prefix(layout: RunLayout, max_step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
     """Largest ``k`` such that the ``train`` output of every step ``1..k`` is committed."""
-    import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
     k = 0
@@ -145,9 +155,6 @@ def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[
     (:class:`storage.lease.LeaseUnreadableError`) is ``lease unreadable (<stored state>)``, with
     ``lease_error`` naming the file and the way on; the other runs are listed as usual.
     """
-    from flows.run.lease import live_holder, resume_refusal
-    from flows.run.process import describe_status
-    from storage.lease import LeaseUnreadableError
 
     fs = _fs()
     if not fs.exists(root, storage_options=storage_options):

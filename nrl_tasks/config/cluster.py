@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from nrl_tasks.config.base import Section
 from nrl_tasks.config.bounds import MAX_RETRIES, MAX_SECONDS, MAX_STEPS, MAX_WORKERS
 from nrl_tasks.config.credentials import credential_paths
+from storage.retry import RetryPolicy
 
 __all__ = ["CheckpointingConfig", "ClusterConfig", "RayConfig", "StorageConfig", "StorageRetryConfig"]
 
@@ -63,7 +64,6 @@ class StorageRetryConfig(Section):
 
     def policy(self) -> Any:
         """The ``storage.retry.RetryPolicy`` of these settings."""
-        from storage.retry import RetryPolicy
 
         return RetryPolicy(attempts=self.attempts, initial_delay_s=self.initial_delay_s, max_delay_s=self.max_delay_s)
 

@@ -17,6 +17,7 @@ from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
 from nrl_tasks.config.logger import LoggerConfig
 from nrl_tasks.config.sft import SFTConfig
+from nrl_tasks.models.builtin import resolve_model_path
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 
@@ -106,7 +107,6 @@ class MasterConfig(Section):
         vLLM's LoRA support is switched on for the adapters-only refits (``llm_kwargs``
         ``enable_lora``, ``max_lora_rank`` = ``lora_cfg.dim``, one adapter at a time), unless
         ``generation.vllm_cfg.llm_kwargs`` sets those keys itself."""
-        from nrl_tasks.models.builtin import resolve_model_path
 
         g = self.gen
         update: dict[str, Any] = {"model_name": resolve_model_path(g.model_name or self.policy.model_name)}
@@ -120,7 +120,6 @@ class MasterConfig(Section):
         """The PolicyConfig the actors run: ``generation`` filled in (its temperature divides the
         logits in ``get_logprobs``/``train``; its precision is the refit dtype) and built-in model
         names resolved to local folders."""
-        from nrl_tasks.models.builtin import resolve_model_path
 
         p = self.policy
         update: dict[str, Any] = {  # a DPO run has no generation config

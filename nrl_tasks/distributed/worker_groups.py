@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Sequence, TypeVar
 
+from nrl_tasks.settings import WorkerEnv
+
 logger = logging.getLogger(__name__)
 
 RANK_ENV = "NRL_WORKER_RANK"
@@ -68,8 +70,6 @@ def _world_size_of(handle) -> int | None:
     ray = _ray()
 
     def _read(_self):
-        from nrl_tasks.settings import WorkerEnv
-
         return WorkerEnv().world_size or None
 
     for group in (CONTROL_GROUP, None):

@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from nrl_tasks.environments.arithmetic import PROMPT_TEMPLATE
+
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
@@ -72,7 +74,6 @@ Questions and answers: what, why, where, when, who, which, how many, how much.
 
 def _corpus() -> Iterator[str]:
     """Deterministic training text for the BPE (a few thousand short lines)."""
-    from nrl_tasks.environments.arithmetic import PROMPT_TEMPLATE
 
     yield from _ENGLISH.splitlines()
     for a in range(20):

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from prefect import task
 
+from nrl_tasks.algorithms.utils import calculate_kl, compute_grpo_advantages
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import DatasetRef
@@ -47,7 +47,6 @@ def compute_advantages(
     logprobs: Any = None,
 ) -> BatchedDataDict:
     """``{"advantages" [B] or [B, S], "sample_mask" [B]}`` (float32; see the module docstring)."""
-    from nrl_tasks.algorithms.utils import calculate_kl, compute_grpo_advantages
 
     est = getattr(grpo_cfg, "adv_estimator", None)
     if est is not None and est.name == "reinforce_plus_plus":

@@ -26,6 +26,8 @@ from typing import Any
 
 from nrl_tasks.run_layout import join_uri
 from nrl_tasks.stages.errors import DamagedRunError
+from storage import fs
+from storage.checksum import default_algorithm, new_hasher
 
 __all__ = [
     "CheckpointDamagedError",
@@ -50,8 +52,6 @@ class CheckpointDamagedError(DamagedRunError):
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 
@@ -78,8 +78,6 @@ def read_checkpoint_json(uri: str, storage_options: dict[str, Any] | None = None
 
 
 def _file_checksum(path: str, algorithm: str) -> str:
-    from storage.checksum import new_hasher
-
     hasher = new_hasher(algorithm)
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
@@ -90,7 +88,6 @@ def _file_checksum(path: str, algorithm: str) -> str:
 def file_manifest(local_dir: str, algorithm: str | None = None) -> dict[str, Any]:
     """The ``files`` / ``checksum_algorithm`` entries of ``checkpoint.json`` for the checkpoint
     written in ``local_dir`` (every file under ``weights/`` and ``optimizer/``)."""
-    from storage.checksum import default_algorithm
 
     algorithm = algorithm or default_algorithm()
     files: dict[str, dict[str, Any]] = {}

@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 import torch
 
+import storage
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.run_layout import join_uri
 from nrl_tasks.utils.jsonl import jsonl_lines
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -437,10 +440,6 @@ def snapshot_records(
     :func:`load_prompt_records` by default; the built-in tasks' rows drawn with ``grpo.seed``),
     checked (over-long prompts: one clear error now, not at step k, when a ``tokenizer`` is given)
     and saved."""
-    import storage
-
-    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
-    from nrl_tasks.run_layout import join_uri
 
     kw = {"storage_options": storage_options} if storage_options else {}
     uri = join_uri(layout.run_uri, "data", split)
@@ -469,7 +468,6 @@ def read_records_snapshot(uri: str, storage_options: dict[str, Any] | None = Non
     """The records of a committed prompt snapshot at ``uri`` with every field they were saved
     with (``None``: not committed). Snapshots written before the ``fields`` column hold
     ``prompt`` and ``answer`` only."""
-    import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
     if not storage.is_committed(uri, **kw):

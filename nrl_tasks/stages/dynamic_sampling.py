@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from prefect import task
 
+import storage
 from nrl_tasks.algorithms.dynamic_sampling import groups_with_signal, select_groups
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
@@ -77,7 +78,6 @@ def dynamic_sampling(
     """Commit the step's ``prompts``, ``rewards`` and ``rollouts`` from generation batches
     ``0 .. len(rollouts) - 1`` (see the module docstring); raises
     :class:`~nrl_tasks.algorithms.dynamic_sampling.DynamicSamplingError` when too few groups qualify."""
-    import storage
 
     run, cfg = ctx.run, ctx.cfg
     done = sampled_refs(ctx)

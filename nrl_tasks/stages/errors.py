@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from nrl_tasks.models.generation.interfaces import StaleWeightsError
 from nrl_tasks.models.policy.errors import NonFiniteTrainingError
+from nrl_tasks.utils.collective import CollectiveError
 
 __all__ = [
     "DEFAULT_STAGE_RETRIES",
@@ -49,8 +51,6 @@ class MissingOptimizerStateError(DamagedRunError):
 
 
 def _stale_weights_error() -> type:
-    from nrl_tasks.models.generation.interfaces import StaleWeightsError
-
     return StaleWeightsError
 
 
@@ -64,8 +64,6 @@ class RefitFailedError(RuntimeError):
 
 def _fault_types() -> tuple[type, ...]:
     import ray.exceptions as rx
-
-    from nrl_tasks.utils.collective import CollectiveError
 
     types: list[type] = [rx.RayActorError, rx.GetTimeoutError, rx.WorkerCrashedError, rx.ObjectLostError]
     for name in ("ActorUnavailableError", "OwnerDiedError", "NodeDiedError", "RaySystemError"):

@@ -22,14 +22,23 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from prefect import task
 
+import storage
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
+from nrl_tasks.models.generation.hf_generation import HfGeneration
 from nrl_tasks.run_layout import RunLayout, join_uri, parse_step_dir
+from nrl_tasks.stages.checkpoint import is_checkpoint_committed, local_checkpoint_dir, read_checkpoint_info
 from nrl_tasks.stages.context import StepContext
+from nrl_tasks.stages.data import format_prompt, tokenize_prompts
+from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
+from nrl_tasks.stages.holds import claim_checkpoint, is_deleting
+from nrl_tasks.stages.multi_turn import first_turns
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, StageTimer, committed_ref, run_stage, save_output
+from nrl_tasks.stages.score import compute_rewards
+from storage import fs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import DataConfig, EnvConfig
@@ -42,8 +51,6 @@ __all__ = ["CheckpointVanishedError", "evaluate", "evaluate_records", "summarize
 
 
 def _prompt_batch(records: list[dict[str, str]], data_cfg: DataConfig, tokenizer: Any, max_prompt_tokens: int, repeats: int) -> BatchedDataDict:
-    from nrl_tasks.stages.data import format_prompt, tokenize_prompts
-
     texts = [format_prompt(r["prompt"], data_cfg, tokenizer, max_tokens=max_prompt_tokens) for r in records]
     ids, lengths = tokenize_prompts(texts, tokenizer, max_length=max_prompt_tokens, overlong=data_cfg.overlong_prompts)
     batch = BatchedDataDict(
@@ -80,9 +87,6 @@ def evaluate_records(
     needed when ``env_cfg.environment`` is set."""
     if env_cfg.environment is not None and episodes is None:
         raise ValueError(f"evaluating env.environment {env_cfg.environment!r} needs its episode runner (its actors)")
-    from nrl_tasks.stages.generate import generation_input, rollouts_from_generation, sample_seeds
-    from nrl_tasks.stages.multi_turn import first_turns
-    from nrl_tasks.stages.score import compute_rewards
 
     parts: list[BatchedDataDict] = []
     for mode, repeats, greedy in (("greedy", 1, True), ("sample", num_samples, False)):
@@ -219,8 +223,6 @@ def evaluate(
     started twice). Returns ``busy: True`` when another live evaluation holds the claim, and
     ``vanished: True`` (with ``reason``) when the checkpoint is gone before or during its
     evaluation, instead of raising."""
-    from nrl_tasks.stages.checkpoint import is_checkpoint_committed
-    from nrl_tasks.stages.holds import claim_checkpoint, is_deleting
 
     opts = cfg.storage.storage_options or None
     layout = RunLayout(cfg.storage.root, run_id)
@@ -250,9 +252,6 @@ def evaluate(
 
 def _checkpoint_intact(ck_uri: str, opts: dict[str, Any] | None) -> bool:
     """Committed, and (on local disk) its ``weights/`` still there."""
-    from storage import fs
-
-    from nrl_tasks.stages.checkpoint import is_checkpoint_committed
 
     if not is_checkpoint_committed(ck_uri, opts):
         return False
@@ -264,12 +263,6 @@ def _evaluate_claimed(
     dataset: str | None, num_samples: int, holder: str,
 ) -> dict[str, Any]:
     import shutil
-
-    import storage
-
-    from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
-    from nrl_tasks.models.generation.hf_generation import HfGeneration
-    from nrl_tasks.stages.checkpoint import local_checkpoint_dir, read_checkpoint_info
 
     opts = cfg.storage.storage_options or None
     layout = RunLayout(cfg.storage.root, run_id)

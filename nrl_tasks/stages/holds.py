@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nrl_tasks.run_layout import RunLayout, join_uri
+from storage import fs
 
 __all__ = [
     "DEFAULT_TTL_S",
@@ -66,8 +67,6 @@ def holds_uri(layout: RunLayout) -> str:
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 

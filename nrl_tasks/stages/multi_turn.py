@@ -40,6 +40,7 @@ import torch
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.environments.interfaces import Message, MessageLog
+from nrl_tasks.environments.loading import initial_stop_strings
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.data import clip_text, derive_seed, prompt_messages
 
@@ -250,7 +251,6 @@ def _continuation(messages: MessageLog) -> str:
 def episode_runner(cfg: Any, tokenizer: Any, generation: Any, environment: Any) -> MultiTurnRollout:
     """The run's :class:`MultiTurnRollout` (``cfg``: the ``MasterConfig``): its turn and length
     limits, the generation config's stop ids and pad id, the environment's first stop strings."""
-    from nrl_tasks.environments.loading import initial_stop_strings
 
     if environment is None:
         raise RuntimeError(f"env.environment {cfg.env.environment!r} is set but no environment actors are running")

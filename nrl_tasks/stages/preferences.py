@@ -29,8 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import storage
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.run_layout import join_uri
 from nrl_tasks.stages.data import _read_rows, clip_text, completion_batch, derive_seed, format_prompt, load_prompt_records
+from nrl_tasks.stages.errors import DamagedRunError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import DataConfig
@@ -99,9 +102,6 @@ def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[
     sound or not frozen yet, their URI when they are damaged and the source still holds the same
     pairs (a resume deletes them and freezes them again: the same pairs), ``DamagedRunError``
     naming the file and the way on when they cannot be rebuilt."""
-    import storage
-
-    from nrl_tasks.stages.errors import DamagedRunError
 
     kw = {"storage_options": storage_options} if storage_options else {}
     uri = snapshot_uri(layout)
@@ -137,7 +137,6 @@ def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[
 def snapshot_uri(layout: RunLayout, split: str = "train") -> str:
     """Where run ``layout.run_id`` keeps its frozen pairs: ``<run>/data/preferences`` (the
     held-out ones: ``preferences-val``)."""
-    from nrl_tasks.run_layout import join_uri
 
     return join_uri(layout.run_uri, "data", "preferences" if split == "train" else f"preferences-{split}")
 
@@ -147,7 +146,6 @@ def snapshot_preferences(
 ) -> list[dict[str, str]]:
     """The run's frozen pairs of ``split`` at ``<run>/data/preferences`` (``preferences-val``):
     read back when committed, else loaded from the configured source and saved."""
-    import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
     uri = snapshot_uri(layout, split)

@@ -41,10 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 
+from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.errors import RefitFailedError, StalePolicyError
 from nrl_tasks.stages.refs import ActionResult, DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, stage_failures
+from nrl_tasks.utils.collective import find_free_port, get_node_ip
+from nrl_tasks.utils.refit import RefitInfo
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.models.generation.interfaces import GenerationInterface
@@ -69,8 +72,6 @@ def _ray_get(refs: list[Any], deadline: float, what: str) -> list[Any]:
 
 
 def _node_ip() -> str:
-    from nrl_tasks.utils.collective import get_node_ip
-
     try:
         return get_node_ip()
     except Exception:  # noqa: BLE001 - no routable address: single machine
@@ -128,7 +129,6 @@ def refit_weights(
     generation.prepare_refit_info(info)
     gen_world = generation_world_size(generation)
     world = 1 + gen_world
-    from nrl_tasks.utils.collective import find_free_port
 
     ip = _node_ip()
     port = find_free_port()
@@ -149,7 +149,6 @@ def refit_weights(
     got = generation.weights_version
     if got != weights_version:
         raise RefitFailedError(f"after refit the generation workers report version {got}, expected {weights_version}")
-    from nrl_tasks.utils.refit import RefitInfo
 
     out: dict[str, Any] = {
         "weights_version": int(weights_version),
@@ -190,8 +189,6 @@ def _with_watchdog(fn: Any, deadline_s: float, *args: Any, **kwargs: Any) -> Any
 def _control_call(handle: Any, fn: Any, timeout_s: float) -> Any:
     """Run ``fn(actor)`` in the actor's control thread (answers while its main thread is blocked)."""
     import ray
-
-    from nrl_tasks.distributed.worker_groups import CONTROL_GROUP
 
     return ray.get(handle.__ray_call__.options(concurrency_group=CONTROL_GROUP).remote(fn), timeout=timeout_s)
 

@@ -44,8 +44,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import storage
+from nrl_tasks.stages.checkpoint import check_checkpoint, list_checkpoints
 from nrl_tasks.stages.errors import DamagedRunError
 from nrl_tasks.stages.graph import STEP_INPUTS
+from nrl_tasks.stages.logprob import logprob_needed
+from nrl_tasks.stages.schedule import StepSchedule
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
@@ -260,8 +264,6 @@ def plan_resume(facts: RunFacts, health: ActorHealth, *, force_refit: bool = Fal
 def grpo_facts_options(cfg: MasterConfig) -> dict[str, Any]:
     """The :func:`read_run_facts` options of a GRPO run's config: its trajectory age (async GRPO),
     step budget and the datasets its steps do not make (``logprobs`` when nothing reads them)."""
-    from nrl_tasks.stages.logprob import logprob_needed
-    from nrl_tasks.stages.schedule import StepSchedule
 
     return {"lookahead": StepSchedule.from_config(cfg).lookahead, "max_steps": cfg.grpo.max_num_steps,
             "skipped": () if logprob_needed(cfg) else ("logprobs",), "step_inputs": STEP_INPUTS}
@@ -294,9 +296,6 @@ def read_run_facts(
     anchor and the trained prefix do not depend on them, and a damaged manifest is then the
     damaged-data check's to report.
     """
-    import storage
-
-    from nrl_tasks.stages.checkpoint import check_checkpoint, list_checkpoints
 
     kw = {"storage_options": storage_options} if storage_options else {}
     last = 0

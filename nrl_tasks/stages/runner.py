@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 from prefect.cache_policies import NO_CACHE
 
+import storage
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import DatasetRef
 
@@ -67,7 +68,6 @@ class StageTimer:
 
 def committed_ref(uri: str, storage_options: dict[str, Any] | None = None, *, attempts: int = 0) -> DatasetRef | None:
     """The reference of the committed dataset at ``uri``, or ``None`` if there is none."""
-    import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
     if not storage.is_committed(uri, **kw):
@@ -105,7 +105,6 @@ def save_output(
     **meta: Any,
 ) -> DatasetRef:
     """Persist a stage output (``fsync``: the run's ``storage.fsync``) and return its reference."""
-    import storage
 
     kw = {"storage_options": storage_options} if storage_options else {}
     manifest = storage.save_batch(
@@ -123,8 +122,6 @@ def save_output(
 
 
 def _load_inputs(ctx: StepContext, name: str, inputs: Mapping[str, DatasetRef]) -> dict[str, Any]:
-    import storage
-
     try:
         allowed = set(ctx.run.graph.spec(name).all_inputs)
     except KeyError:  # a stage outside the step graph (validate): no declared inputs to check

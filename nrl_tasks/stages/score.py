@@ -24,6 +24,7 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.environments.rewards import DEFAULT_REWARD_FN, load_reward_fn, safe_rewards
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
@@ -47,7 +48,6 @@ def _logger() -> Any:
 
 def reward_function(env_cfg: EnvConfig):
     """The configured verifiable reward callable (default: arithmetic exact match)."""
-    from nrl_tasks.environments.rewards import DEFAULT_REWARD_FN, load_reward_fn
 
     return load_reward_fn(env_cfg.reward_fn or DEFAULT_REWARD_FN)
 
@@ -58,7 +58,6 @@ def compute_rewards(
     reward_model: PolicyInterface | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """``(rewards [B] float32, valid [B] bool, errors)`` for a rollout batch."""
-    from nrl_tasks.environments.rewards import safe_rewards
 
     if env_cfg.reward_model.enabled:
         if reward_model is None:

@@ -14,17 +14,17 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
-
 from prefect import task
 
+import storage
+from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import StepContext
 from nrl_tasks.stages.graph import REPLAY_INPUTS
-from nrl_tasks.stages.logprob import logprob_needed
-from nrl_tasks.utils.refit import checksum_algorithm
-from nrl_tasks.stages.logprob import check_policy_version
+from nrl_tasks.stages.logprob import check_policy_version, logprob_needed
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
+from nrl_tasks.utils.refit import checksum_algorithm
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
@@ -116,7 +116,6 @@ def train_metrics(result: dict[str, Any], reductions: Mapping[str, str] | None =
 
 def run_train(policy: PolicyInterface, data: BatchedDataDict, loss_cfg: ClippedPGLossConfig, *, gbs: int, mbs: int) -> dict[str, float]:
     """One ``Policy.train`` call with ``ClippedPGLossFn(loss_cfg)``; scalar metrics."""
-    from nrl_tasks.algorithms.loss_functions import ClippedPGLossFn
 
     loss_fn = ClippedPGLossFn(loss_cfg)
     result = policy.train(data, loss_fn, gbs=gbs, mbs=mbs)
@@ -150,7 +149,6 @@ def replay_train(
     Verifies the recorded weights checksum when there is one; raises ``RuntimeError`` if the
     replay does not reproduce it (training not deterministic) or the inputs are missing.
     """
-    import storage
 
     layout, kw = run.layout, run.storage_kw
     meta = storage.read_manifest(layout.stage_uri(step, "train"), **kw).meta

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nrl_tasks.utils.broadcast_pipeline import BroadcastPipeline
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -389,7 +391,6 @@ class FlatParamBuckets:
 
     def broadcast(self, group: Any, src: int, *, num_buffers: int | None = None) -> None:
         """Broadcast every bucket in place from group rank ``src`` (``num_buffers`` in flight)."""
-        from nrl_tasks.utils.broadcast_pipeline import BroadcastPipeline
 
         count = int(num_buffers or 2)
         pipe = BroadcastPipeline(group, src, count, self.bucket_size_bytes, self.device)

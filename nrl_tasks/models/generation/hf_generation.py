@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 from nrl_tasks.models.generation.hf_worker import HfGenerationWorker
 from nrl_tasks.models.generation.interfaces import GenerationConfig, GenerationInterface, require_prompts
 
@@ -104,8 +106,6 @@ class RayGenerationGroup(GenerationInterface):
         model_path: str | None = None,
         num_workers: int | None = None,
     ) -> None:
-        from nrl_tasks.distributed.worker_groups import RayWorkerGroup
-
         cfg = config if isinstance(config, GenerationConfig) else GenerationConfig.model_validate(dict(config))
         self._check_backend(cfg)
         path = model_path or cfg.model_name
@@ -144,7 +144,6 @@ class RayGenerationGroup(GenerationInterface):
     @classmethod
     def attach(cls, *, name_prefix: str = "generation", namespace: str) -> RayGenerationGroup:
         """Re-attach to a running group by name (another process); ``LookupError`` if missing."""
-        from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 
         self = cls.__new__(cls)
         self._wg = RayWorkerGroup.attach(name_prefix, namespace)
@@ -177,7 +176,6 @@ class RayGenerationGroup(GenerationInterface):
         Returns a ``BatchedDataDict`` of :class:`GenerationOutputSpec`. Raises
         ``StaleWeightsError`` if any worker is stale or holds another version.
         """
-        from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
         batch = require_prompts(data)
         stop_strings = data["stop_strings"] if "stop_strings" in data else None

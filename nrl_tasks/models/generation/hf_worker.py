@@ -26,7 +26,11 @@ import torch
 
 from nrl_tasks.models.generation.hf_sampling import merge_stop_strings, resolve_pad_and_stop_ids, sample_rows
 from nrl_tasks.models.generation.interfaces import GenerationConfig, StaleWeightsError
+from nrl_tasks.models.lora_adapters import inject_adapters
 from nrl_tasks.settings import WorkerEnv
+from nrl_tasks.utils.collective import create_broadcast_group
+from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
+from nrl_tasks.utils.refit import RefitInfo, refit_metadata, weights_checksum
 
 __all__ = ["GenerationWorkerBase", "HfGenerationWorker", "hf_refit_named_tensors", "merge_stop_strings"]
 
@@ -105,7 +109,6 @@ class GenerationWorkerBase:
         Raises ``RefitMismatchError`` naming the first differing parameter (name, shape or
         dtype; dtype must be the generation precision) or a differing buffer size.
         """
-        from nrl_tasks.utils.refit import RefitInfo
 
         info = RefitInfo.from_dict(info_dict)
         self._adopt_adapter_layout(info.adapter)
@@ -142,8 +145,6 @@ class GenerationWorkerBase:
 
     # backend hooks: where the group lives and how weights are loaded
     def _open_group(self, ip: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
-        from nrl_tasks.utils.collective import create_broadcast_group
-
         self._group = create_broadcast_group(
             ip, port, rank, world_size, timeout_s=timeout_s, backend=self._collective_backend()
         )
@@ -265,7 +266,6 @@ class HfGenerationWorker(GenerationWorkerBase):
                 f"generation worker {self.rank} loaded {self.model_path!r}, an adapter checkpoint merged into its base: "
                 "an adapters-only refit needs the base model folder"
             )
-        from nrl_tasks.models.lora_adapters import inject_adapters
 
         inject_adapters(self.model, adapter, self.dtype)
         self._adapter = adapter
@@ -278,14 +278,10 @@ class HfGenerationWorker(GenerationWorkerBase):
         return hf_refit_named_tensors(self.model)
 
     def expected_refit_metadata(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        from nrl_tasks.utils.refit import refit_metadata
-
         return refit_metadata(self._refit_named_tensors())
 
     @torch.no_grad()
     def _consume_weights(self, info: Any) -> dict[str, Any]:
-        from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
-
         params = dict(self._refit_named_tensors())
         received = 0
 
@@ -304,7 +300,6 @@ class HfGenerationWorker(GenerationWorkerBase):
 
     def weights_checksum(self) -> str:
         """``nrl_tasks.utils.refit.weights_checksum`` of the refit tensors, in refit order."""
-        from nrl_tasks.utils.refit import weights_checksum
 
         return weights_checksum(self._refit_named_tensors())
 

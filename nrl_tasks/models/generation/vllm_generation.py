@@ -46,6 +46,7 @@ from nrl_tasks.models.generation.hf_worker import GenerationWorkerBase, hf_refit
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.generation.vllm_lora import adapter_refit_metadata, vllm_lora_rank
 from nrl_tasks.models.generation.vllm_worker_extension import NRL_WORKER_EXTENSION
+from nrl_tasks.utils.refit import RefitMismatchError
 
 __all__ = ["VllmGeneration", "VllmGenerationWorker", "require_vllm", "vllm_available"]
 
@@ -213,7 +214,6 @@ class VllmGenerationWorker(GenerationWorkerBase):
         the keys, before any byte moves)."""
         if adapter is None or adapter == self._adapter:
             return
-        from nrl_tasks.utils.refit import RefitMismatchError
 
         if self._max_lora_rank is None:
             raise RefitMismatchError(

@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 
+from nrl_tasks.models.generation.vllm_lora import write_adapter_folder
+from nrl_tasks.utils.collective import create_broadcast_group
+from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
+from nrl_tasks.utils.refit import metadata_to_consumer_iter, weights_checksum
+
 __all__ = ["NRL_WORKER_EXTENSION", "NrlWorkerExtension", "checksum_tee"]
 
 NRL_WORKER_EXTENSION = "nrl_tasks.models.generation.vllm_worker_extension.NrlWorkerExtension"
@@ -38,7 +43,6 @@ def checksum_tee(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[Iterator[tu
     hashed (in a helper thread running the unchanged checksum function) before it is passed on,
     and the next pair is only requested after that, so reused receive buffers are safe.
     """
-    from nrl_tasks.utils.refit import weights_checksum
 
     handoff: queue.Queue = queue.Queue(maxsize=1)
     hashed = threading.Semaphore(0)
@@ -87,7 +91,6 @@ class NrlWorkerExtension:
         self, host: str, port: int, base_rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
     ) -> int:
         """Join the broadcast group as ``base_rank + <this worker's rank>``; returns that rank."""
-        from nrl_tasks.utils.collective import create_broadcast_group
 
         self.nrl_teardown_collective()
         rank = int(base_rank) + int(getattr(self, "rank", 0))
@@ -105,8 +108,6 @@ class NrlWorkerExtension:
     def _nrl_receive(self, metadata: list[Any], buffer_size_bytes: int, with_checksum: bool) -> tuple[Iterator[tuple[str, torch.Tensor]], Any]:
         """The packed broadcast of ``metadata`` from rank 0 as ``(name, tensor)`` pairs (tensors
         live in reused receive buffers: copy what is kept), and the checksum's ``result()`` or None."""
-        from nrl_tasks.utils.packed_tensor import packed_broadcast_consumer
-        from nrl_tasks.utils.refit import metadata_to_consumer_iter
 
         group = getattr(self, "_nrl_group", None)
         if group is None:
@@ -158,7 +159,6 @@ class NrlWorkerExtension:
         folder at ``out_dir`` (:func:`~nrl_tasks.models.generation.vllm_lora.write_adapter_folder`)
         for the actor's ``LoRARequest``. Returns ``{"tensors", "checksum"}``; on failure the group
         is closed and no folder is left at ``out_dir``."""
-        from nrl_tasks.models.generation.vllm_lora import write_adapter_folder
 
         try:
             stream, checksum = self._nrl_receive(metadata, buffer_size_bytes, True)

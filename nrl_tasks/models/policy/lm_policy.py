@@ -35,7 +35,6 @@ import logging
 import os
 from typing import Any, Iterable, Optional, Union
 
-
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict, SlicedDataDict
 from nrl_tasks.distributed.worker_groups import RayWorkerGroup
 from nrl_tasks.models.policy import PolicyConfig
@@ -43,6 +42,7 @@ from nrl_tasks.models.policy.lm_policy_checkpoint import PolicyCheckpointMethods
 from nrl_tasks.models.policy.lm_policy_lifecycle import PolicyLifecycleMethods
 from nrl_tasks.models.policy.lm_policy_refit import PolicyRefitMethods
 from nrl_tasks.models.policy.workers import sharding
+from nrl_tasks.models.policy.workers.parallel import layout_for
 from nrl_tasks.models.policy.workers.placement import bundle_indices, worker_class, worker_env
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,6 @@ class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods
     def layout(self) -> Any:
         """How the workers lay out the model (:class:`~nrl_tasks.models.policy.workers.parallel.Layout`):
         plain, FSDP2-replicated or FSDP2-sharded."""
-        from nrl_tasks.models.policy.workers.parallel import layout_for
 
         return layout_for(self.cfg.dtensor_cfg, self.data_parallel_size, reward_model=self.cfg.reward_model_cfg.enabled)
 

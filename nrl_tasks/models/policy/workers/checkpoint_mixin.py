@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
+from nrl_tasks.models.policy.workers.lora import save_merged
 from nrl_tasks.models.policy.workers.remote_checkpoint import local_copies, staged_uploads
 from nrl_tasks.models.policy.workers.rng import capture_rng_state, restore_rng_state
 
@@ -92,7 +93,6 @@ class CheckpointMixin:
     def _write_merged_dir(self, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
         """The merged LoRA weights (``state`` when gathered already) as a plain HF folder
         (atomically), with the tokenizer if any."""
-        from nrl_tasks.models.policy.workers.lora import save_merged
 
         def write(tmp: str) -> None:
             save_merged(self.model, tmp, state)

@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
+from nrl_tasks.utils.collective import find_free_port
+
 __all__ = ["in_process_worker"]
 
 
@@ -20,9 +23,6 @@ def in_process_worker(cfg: Any) -> Iterator[Any]:
     exit, and its process group is destroyed. ``RuntimeError`` when this process already has a
     default ``torch.distributed`` group."""
     import torch.distributed as dist
-
-    from nrl_tasks.models.policy.workers.train_worker import PolicyWorker
-    from nrl_tasks.utils.collective import find_free_port
 
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process")

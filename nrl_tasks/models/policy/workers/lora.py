@@ -41,6 +41,7 @@ from nrl_tasks.models.lora_adapters import (
     load_adapter_model,
     lora_layers,
 )
+from nrl_tasks.models.policy.workers.parallel import full_tensor, like
 
 __all__ = [
     "ADAPTER_FILE",
@@ -183,7 +184,6 @@ def merged_named_tensors(model: Any, *, merge: bool = True) -> Iterator[tuple[st
 def merged_state(model: Any) -> dict[str, torch.Tensor]:
     """The merged weights (:func:`merged_named_tensors`) as whole CPU tensors. With sharded
     (FSDP2) weights every rank must call it (each tensor is gathered in turn)."""
-    from nrl_tasks.models.policy.workers.parallel import full_tensor
 
     return {n: full_tensor(t).to("cpu").contiguous() for n, t in merged_named_tensors(model)}
 
@@ -239,7 +239,6 @@ def load_adapter_into(model: Any, path: str) -> int:
                 f"adapter tensor {name!r} in {path!r} has shape {list(tensor.shape)}, "
                 f"the model expects {list(expected[name].shape)}"
             )
-    from nrl_tasks.models.policy.workers.parallel import like
 
     # sharded (FSDP2) adapters: each rank keeps its slices of the whole tensors read from the file
     result = set_peft_model_state_dict(model, {n: like(t, expected[n]) for n, t in loaded.items()})

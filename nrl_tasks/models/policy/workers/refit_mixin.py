@@ -25,6 +25,12 @@ from typing import Any
 
 import torch
 
+from nrl_tasks.models.lora_adapters import adapter_layout
+from nrl_tasks.models.policy.workers.parallel import full_tensor
+from nrl_tasks.utils.collective import create_broadcast_group
+from nrl_tasks.utils.packed_tensor import get_target_packed_tensor_size
+from nrl_tasks.utils.refit import CHECKSUM_ALGORITHM, RefitInfo, dtype_from_str, weights_checksum
+
 __all__ = ["RefitMixin", "refit_named_tensors"]
 
 
@@ -46,8 +52,6 @@ class RefitMixin:
     _refit_info: Any = None
 
     def _refit_dtype(self) -> torch.dtype:
-        from nrl_tasks.utils.refit import dtype_from_str
-
         return dtype_from_str(self.cfg.refit_dtype)
 
     def _cast_for_refit(self, item: tuple[str, torch.Tensor]) -> torch.Tensor:
@@ -71,7 +75,6 @@ class RefitMixin:
 
     def _refit_source(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors a refit sends, before the cast, each whole (gathered one at a time)."""
-        from nrl_tasks.models.policy.workers.parallel import full_tensor
 
         return ((name, full_tensor(tensor)) for name, tensor in self._refit_parts())
 
@@ -88,15 +91,12 @@ class RefitMixin:
         self._require_ready()
         if self.rank != 0:
             return None
-        from nrl_tasks.utils.packed_tensor import get_target_packed_tensor_size
-        from nrl_tasks.utils.refit import RefitInfo
 
         dtype = self._refit_dtype()
         shapes = (
             (n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"))
             for n, t in self._refit_parts()
         )
-        from nrl_tasks.models.lora_adapters import adapter_layout
 
         adapter = adapter_layout(self.model.get_base_model()) if self._adapters_only() else None
         self._refit_info = RefitInfo.build(shapes, get_target_packed_tensor_size(), self.weights_version, adapter)
@@ -113,7 +113,6 @@ class RefitMixin:
             raise ValueError(f"train_world_size must be a positive int, got {train_world_size!r}")
         if self.rank != 0:
             return False
-        from nrl_tasks.utils.collective import create_broadcast_group
 
         self.close_refit_group()
         timeout = self.cfg.generation.refit_timeout_s if self.cfg.generation is not None else 120.0
@@ -152,9 +151,6 @@ class RefitMixin:
         LoRA "as sent" is the merged weights, the master weights are base + adapter tensors);
         ``algorithm``: today's by default (see :func:`nrl_tasks.utils.refit.checksum_algorithm`)."""
         self._require_valid_weights("weights_checksum")
-        from nrl_tasks.utils.refit import CHECKSUM_ALGORITHM, weights_checksum
-
-        from nrl_tasks.models.policy.workers.parallel import full_tensor
 
         if self.rank != 0 and not self._gathers_with_all_ranks():
             return ""  # rank 0's answer is the policy's

@@ -26,6 +26,8 @@ import shutil
 import tempfile
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from storage import fs
+
 __all__ = ["is_remote", "local_copies", "staged_uploads"]
 
 STAGING_PREFIX = "nrl-ckpt-"
@@ -38,8 +40,6 @@ def is_remote(path: Optional[str]) -> bool:
 
 
 def _fs():
-    from storage import fs
-
     return fs
 
 

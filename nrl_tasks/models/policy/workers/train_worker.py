@@ -41,6 +41,9 @@ from nrl_tasks.models.policy import PolicyConfig
 from nrl_tasks.models.policy.errors import NonFiniteTrainingError
 from nrl_tasks.models.policy.workers import checkpointing as ckpt
 from nrl_tasks.models.policy.workers.batches import check_inputs, on_device, to_float, with_default_masks
+from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
+from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_invalid_weights
+from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
     length_mask,
@@ -54,9 +57,6 @@ from nrl_tasks.models.policy.workers.optim import (
     clip_and_norm,
     trainable_named_parameters,
 )
-from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
-from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_invalid_weights
-from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.parallel import (
     Layout,
     full_tensor,
@@ -76,6 +76,7 @@ from nrl_tasks.models.policy.workers.refit_mixin import RefitMixin
 from nrl_tasks.models.policy.workers.rng import configure_determinism, seed_everything
 from nrl_tasks.models.policy.workers.sampling_mixin import SamplingMixin
 from nrl_tasks.settings import WorkerEnv
+from nrl_tasks.utils.collective import find_free_port, get_node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,6 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
 
     def get_free_address(self) -> tuple[str, int]:
         """``(ip, port)`` for the process-group rendezvous hosted by this (rank 0) worker."""
-        from nrl_tasks.utils.collective import find_free_port, get_node_ip
 
         ip = get_node_ip()
         return ip, find_free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
