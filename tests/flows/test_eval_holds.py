@@ -46,6 +46,7 @@ def _committed_evals(layout) -> list[str]:
 def test_checkpoint_deleted_mid_sweep_is_skipped(eval_run, monkeypatch):
     from flows.algorithms.evaluate import eval_sweep
     from nrl_tasks.stages import checkpoint
+    from nrl_tasks.stages import evaluate as stage_evaluate
 
     real = checkpoint.local_checkpoint_dir
 
@@ -54,7 +55,7 @@ def test_checkpoint_deleted_mid_sweep_is_skipped(eval_run, monkeypatch):
             shutil.rmtree(uri)  # gone under the evaluation (by hand, or a deleter that ignores holds)
         return real(uri, storage_options)
 
-    monkeypatch.setattr(checkpoint, "local_checkpoint_dir", deleted_while_loading)
+    monkeypatch.setattr(stage_evaluate, "local_checkpoint_dir", deleted_while_loading)  # as the evaluation calls it
     res = eval_sweep(RUN_ID, storage=eval_run["root"], num_samples=1, max_prompts=2)
     assert res["vanished"] == [f"{RUN_ID}/step_000002"]
     assert res["evaluated"] == [f"{RUN_ID}/step_000004"]
@@ -67,6 +68,7 @@ def test_retention_during_an_evaluation_keeps_its_checkpoint(eval_run, monkeypat
     from flows.algorithms.evaluate import eval_sweep
     from flows.run.retention import RetentionPolicy, apply_retention
     from nrl_tasks.stages import checkpoint
+    from nrl_tasks.stages import evaluate as stage_evaluate
 
     layout, pol = eval_run["layout"], RetentionPolicy(keep_last_n_checkpoints=1)
     real, during = checkpoint.local_checkpoint_dir, []
@@ -76,7 +78,7 @@ def test_retention_during_an_evaluation_keeps_its_checkpoint(eval_run, monkeypat
             during.append(apply_retention(layout, pol, last_trained=4))  # the training flow, after a step
         return real(uri, storage_options)
 
-    monkeypatch.setattr(checkpoint, "local_checkpoint_dir", retention_runs_meanwhile)
+    monkeypatch.setattr(stage_evaluate, "local_checkpoint_dir", retention_runs_meanwhile)
     res = eval_sweep(RUN_ID, storage=eval_run["root"], num_samples=1, max_prompts=2)
     assert during[0]["held_checkpoints"] == [2] and during[0]["deleted_checkpoints"] == []
     assert sorted(res["evaluated"]) == [f"{RUN_ID}/{ck}" for ck in CHECKPOINTS] and res["vanished"] == []
@@ -160,7 +162,7 @@ def test_checkpoints_deleted_before_their_hold_make_the_sweep_list_again(eval_ru
             apply_retention(layout, pol, last_trained=6)  # deletes steps 2 and 4, held by nobody yet
         return real(lay, name, *args, **kwargs)
 
-    monkeypatch.setattr(holds, "hold_checkpoint", a_step_trains_first)
+    monkeypatch.setattr(ev, "hold_checkpoint", a_step_trains_first)  # as the sweep calls it
     res = ev.eval_sweep(RUN_ID, storage=eval_run["root"], num_samples=1, max_prompts=2)
     assert res["vanished"] == [f"{RUN_ID}/step_000002", f"{RUN_ID}/step_000004"]
     assert res["evaluated"] == [f"{RUN_ID}/step_000006"]

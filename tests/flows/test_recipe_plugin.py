@@ -31,6 +31,8 @@ from nrl_tasks.stages.train import train
 from tests.faults.helpers import run_nrl, train_checksum
 
 KIND = "tests.flows.test_recipe_plugin:REINFORCE"
+#: runs of nrl in processes of their own: the slow suite (keeps make test under 10 minutes)
+pytestmark = pytest.mark.slow
 
 
 @task(name="advantages", task_run_name="advantages-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
@@ -119,7 +121,6 @@ def test_its_summary_shows_the_plot(reinforce_run):
     assert "step 3 of 3" in md and "![reward per step" in md and "**History**" in md
 
 
-@pytest.mark.slow  # a killed whole-flow run and its resume
 def test_it_resumes_bit_identically_after_sigkill(reinforce_run, prefect_harness, tiny_model_dir, tmp_path):
     root = str(tmp_path / "runs")
     cfg = _config(tmp_path, tiny_model_dir, root)

@@ -279,13 +279,13 @@ def test_a_hold_taken_while_retention_decides_keeps_the_checkpoint(tmp_path, mon
         assert holds.is_deleting(layout, checkpoint)
         return mark
 
-    monkeypatch.setattr(holds, "mark_deleting", mark_then_reader_arrives)
+    monkeypatch.setattr(retention, "mark_deleting", mark_then_reader_arrives)  # as retention calls it
     out = apply_retention(lay, RetentionPolicy(keep_last_n_checkpoints=1), last_trained=4)
     assert out["deleted_checkpoints"] == [] and out["held_checkpoints"] == [2]
     assert [s for s, _ in list_checkpoints(lay.checkpoints_uri)] == [2, 4]
     assert not holds.is_deleting(lay, "step_000002")  # the mark is withdrawn
     taken[0].release()
-    monkeypatch.setattr(holds, "mark_deleting", real_mark)
+    monkeypatch.setattr(retention, "mark_deleting", real_mark)
     assert apply_retention(lay, RetentionPolicy(keep_last_n_checkpoints=1), last_trained=4)["deleted_checkpoints"] == [2]
 
 

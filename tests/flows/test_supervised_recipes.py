@@ -197,6 +197,7 @@ def chat_sft(prefect_harness, tiny_model_dir, tmp_path_factory):
     return {"root": root, "argv": argv, "tmp": tmp}
 
 
+@pytest.mark.slow  # an nrl sft run in a process of its own (keeps make test under 10 minutes)
 def test_nrl_sft_on_chat_rows_lowers_the_held_out_loss(chat_sft):
     from flows.observe.metrics import read_metrics
 
