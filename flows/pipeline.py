@@ -45,14 +45,14 @@ from flows.algorithms.evaluate import evaluate_checkpoint
 from flows.algorithms.registry import recipe_for
 from flows.config import ConfigError, MasterConfig, config_hash, load_config_dict, read_config_data
 from flows.config.overrides import apply_overrides
-from flows.run.preflight import check_plugins
-from flows.run.resolve import new_run_id, resolve_config
 from flows.observe.artifacts import KeyedArtifact
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
 from flows.observe.metrics import read_metrics
 from flows.observe.pipeline_summary import pipeline_markdown
 from flows.run.lease import hold_run_lease
+from flows.run.preflight import check_plugins
 from flows.run.recipe import Recipe
+from flows.run.resolve import new_run_id, resolve_config
 from flows.run.state import check_storage_root, read_status, trained_prefix
 from nrl_tasks.config.hash import changed_keys
 from nrl_tasks.config.master import config_kind

@@ -31,21 +31,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect import flow
 from prefect.utilities.annotations import quote
 
 import storage
 from flows.algorithms import supervised
-from flows.algorithms.training import flow_run_namer, train_run
+from flows.algorithms.supervised import SupervisedRecipe
+from flows.algorithms.training import recipe_flow
 from flows.config import MasterConfig
 from flows.observe.summary import SummaryFields
-from flows.run.recipe import Actors, Retries
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.dpo import DPO_GRAPH, dpo_train, dpo_update, dpo_validate, preference_pairs, reference_logprobs
 from nrl_tasks.stages.preferences import snapshot_preferences, snapshot_repair, snapshot_uri, source_preferences
-from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
-from nrl_tasks.stages.schedule import StepSchedule
 
 __all__ = ["DPO", "DPORecipe", "TRAIN_KEYS", "dpo"]
 
@@ -54,34 +51,19 @@ TRAIN_KEYS = ("loss", "accuracy", "rewards_margin_mean", "rewards_chosen_mean", 
               "preference_loss", "sft_loss", "grad_norm", "train_seconds")
 
 
-class DPORecipe:
+class DPORecipe(SupervisedRecipe):
     """DPO as a recipe (see the module docstring)."""
 
     kind = "dpo"
     section = "dpo"
     graph = DPO_GRAPH
-    actors = Actors()
     unread_sections = ("grpo", "loss_fn", "sft")
     summary = SummaryFields(curve="accuracy", curve_label="pair accuracy", eval_metric="val_accuracy",
                             eval_label="held-out pair accuracy")
-
-    def budget(self, cfg: MasterConfig) -> int:
-        return cfg.dpo.max_num_steps
-
-    def validation_due(self, cfg: MasterConfig, step: int) -> bool:
-        return supervised.validation_due(cfg.dpo, step)
-
-    def retries(self, cfg: MasterConfig) -> Retries:
-        return supervised.DEFAULT_RETRIES
-
-    def schedule(self, cfg: MasterConfig) -> StepSchedule:
-        return supervised.schedule(cfg.dpo.max_num_steps)
-
-    def facts_options(self, cfg: MasterConfig) -> dict[str, Any]:
-        return supervised.facts_options(DPO_GRAPH, cfg.dpo.max_num_steps)
-
-    def check_recompute(self, specs: Sequence[tuple[str, int]], cfg: MasterConfig) -> None:
-        return None
+    train_keys = TRAIN_KEYS
+    update_fn = staticmethod(dpo_update)
+    validate_task = staticmethod(dpo_validate)
+    console_figures = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
         if cfg.dpo is not None and cfg.dpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
@@ -114,9 +96,6 @@ class DPORecipe:
     def inputs(self, ctx: StepContext, version: int, *, overlap: bool = False) -> dict[str, Any]:
         return {"pairs": preference_pairs(quote(ctx))}
 
-    def submit_inputs(self, ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
-        return self.inputs(ctx, version)
-
     def update(self, ctx: StepContext, inputs: Mapping[str, Any]) -> dict[str, Any]:
         c, pairs = quote(ctx), inputs["pairs"]
         reference = reference_logprobs(c, pairs)
@@ -126,28 +105,6 @@ class DPORecipe:
         c = quote(run.step(step))
         reference_logprobs(c, preference_pairs(c))
 
-    def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
-        return dpo_update(run, batches)
-
-    def validate(self, ctx: StepContext, refit: ActionResult | None) -> DatasetRef:
-        return dpo_validate(quote(ctx))
-
-    def metrics_line(self, ctx: StepContext, refs: StepRefs, wall_seconds: float | None) -> dict[str, Any]:
-        return supervised.metrics_line(ctx, refs, wall_seconds, DPO_GRAPH, TRAIN_KEYS)
-
-    def rebuild_line(self, layout: RunLayout, step: int, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-        return supervised.rebuild_line(layout, step, storage_options, DPO_GRAPH, TRAIN_KEYS)
-
-    def console_line(self, run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
-        return supervised.console_line(run_id, "dpo", row, max_steps, (
-            ("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f")))
-
-    def run(self, **params: Any) -> dict[str, Any]:
-        """A run of this recipe: its Prefect flow :func:`dpo` called with ``params``."""
-        return dpo(**params)
-
-    def publish_extra(self, ctx: StepContext, refs: StepRefs) -> list[tuple[str, str]]:
-        return []
 
 
 def supervised_snapshot_committed(layout: RunLayout, split: str, opts: dict[str, Any] | None) -> bool:
@@ -159,23 +116,5 @@ def supervised_snapshot_committed(layout: RunLayout, split: str, opts: dict[str,
 DPO = DPORecipe()
 
 
-@flow(name="dpo", flow_run_name=flow_run_namer("dpo"), validate_parameters=False, persist_result=False)
-def dpo(
-    config: str | dict | MasterConfig | None = None,
-    run_id: str | None = None,
-    resume: bool = False,
-    overrides: list[str] | None = None,
-    storage: str | None = None,
-    recompute: list[str] | None = None,
-    take_over: bool = False,
-    fresh_optimizer: bool = False,
-) -> dict[str, Any]:
-    """Train with DPO (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
-    "last_step", "checkpoints", "final_metrics", "first_step", "restored"}`` (``restored``: where the
-    weights came from and the steps replayed).
-
-    ``fresh_optimizer``: with ``resume``, restore a checkpoint saved without optimizer state
-    (``checkpointing.save_optimizer: false``; refused otherwise) and train on with a fresh
-    optimizer, recorded as ``optimizer_reset`` in ``status.json`` and the metrics line."""
-    return train_run(DPO, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
-                     recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer)
+#: the Prefect flow of DPO runs (a deployment's entrypoint: ``flows/algorithms/dpo.py:dpo``)
+dpo = recipe_flow(DPO, summary="Train with DPO (see the module docstring).")

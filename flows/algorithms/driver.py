@@ -53,7 +53,13 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import quote
 
 from flows.algorithms.step import (
-    StepPlan, StepSegment, finish_step, publish_step, run_step_body, step_flows, steps_per_subflow,
+    StepPlan,
+    StepSegment,
+    finish_step,
+    publish_step,
+    run_step_body,
+    step_flows,
+    steps_per_subflow,
 )
 from flows.run.recipe import Recipe
 from flows.run.recovery import RetryBudget, recover_after

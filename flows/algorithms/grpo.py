@@ -30,18 +30,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect import flow
 from prefect.utilities.annotations import quote
 
 import storage
 from flows.algorithms.lanes import data_stages, generation_lane, policy_lane, submit_generation
-from flows.algorithms.training import flow_run_namer, train_run
+from flows.algorithms.training import recipe_flow
 from flows.algorithms.warm_start import ensure_warm_start, with_warm_start_weights
 from flows.config import MasterConfig
-from flows.run.preflight import check_prompt_files
 from flows.observe.artifacts import rollouts_markdown
 from flows.observe.metrics import build_step_metrics, format_console_line, rebuild_step_metrics
 from flows.observe.summary import GRPO_FIELDS
+from flows.run.preflight import check_prompt_files
 from flows.run.recipe import Actors, Retries
 from flows.run.recompute import check_resume_data
 from nrl_tasks.run_layout import RunLayout
@@ -178,39 +177,7 @@ class GRPORecipe:
 GRPO = GRPORecipe()
 
 
-@flow(name="grpo", flow_run_name=flow_run_namer("grpo"), validate_parameters=False, persist_result=False)
-def grpo(
-    config: str | dict | None = None,
-    run_id: str | None = None,
-    resume: bool = False,
-    overrides: list[str] | None = None,
-    storage: str | None = None,
-    recompute: list[str] | None = None,
-    take_over: bool = False,
-    fresh_optimizer: bool = False,
-) -> dict[str, Any]:
-    """Train with GRPO.
-
-    The flow holds the run's lease (:mod:`flows.run.lease`) from before its first write to its
-    end. Returns ``{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics"}``.
-
-    Args:
-        config: YAML config path (e.g. configs/grpo_tiny.yaml), a dict or a MasterConfig. Ignored
-            (with a warning) when resuming: the run keeps its saved config.yaml; refused if it
-            would change the run's result-affecting settings.
-        run_id: the run's id (default: a new one); with resume, the run to continue.
-        resume: continue the run from its persisted batches and checkpoints (e.g. extend a
-            finished run with overrides=["grpo.max_num_steps=70"]).
-        overrides: dotted key=value overrides, e.g. ["grpo.max_num_steps=70", "policy.optimizer.kwargs.lr=1e-5"].
-        storage: storage root holding the runs: a local path, file:// or s3://bucket/prefix.
-        recompute: with resume, STAGE@STEP items to recompute (e.g. ["generate@3"]).
-        take_over: take the run's lease from a holder that looks live but is gone (its machine died).
-        fresh_optimizer: with resume, train on from a checkpoint saved without optimizer state
-            (checkpointing.save_optimizer=false; refused otherwise), recorded as optimizer_reset.
-    """
-    return train_run(
-        GRPO, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage, recompute=recompute,
-        take_over=take_over, fresh_optimizer=fresh_optimizer,
-        configure=ensure_warm_start,  # warm_start.sft_steps: an SFT run first (flows.algorithms.warm_start)
-        saved_form=with_warm_start_weights,
-    )
+#: the Prefect flow of GRPO runs (a deployment's entrypoint: ``flows/algorithms/grpo.py:grpo``)
+grpo = recipe_flow(GRPO, summary="Train with GRPO (see the module docstring).",
+                   configure=ensure_warm_start,  # warm_start.sft_steps: an SFT run first
+                   saved_form=with_warm_start_weights)

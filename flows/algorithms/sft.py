@@ -25,19 +25,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect import flow
 from prefect.utilities.annotations import quote
 
 from flows.algorithms import supervised
-from flows.algorithms.training import flow_run_namer, train_run
+from flows.algorithms.supervised import SupervisedRecipe
+from flows.algorithms.training import recipe_flow
 from flows.config import MasterConfig
 from flows.observe.summary import SummaryFields
-from flows.run.recipe import Actors, Retries
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.data import snapshot_records
-from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
-from nrl_tasks.stages.schedule import StepSchedule
 from nrl_tasks.stages.sft import SFT_GRAPH, build_sft_batch, load_sft_records, sft_batch, sft_train, sft_update, sft_validate
 
 __all__ = ["SFT", "SFTRecipe", "TRAIN_KEYS", "build_sft_batch", "sft"]
@@ -46,34 +43,19 @@ __all__ = ["SFT", "SFTRecipe", "TRAIN_KEYS", "build_sft_batch", "sft"]
 TRAIN_KEYS = ("loss", "grad_norm", "tokens_per_s", "train_seconds")
 
 
-class SFTRecipe:
+class SFTRecipe(SupervisedRecipe):
     """SFT as a recipe (see the module docstring)."""
 
     kind = "sft"
     section = "sft"
     graph = SFT_GRAPH
-    actors = Actors()
     unread_sections = ("loss_fn", "dpo")
     summary = SummaryFields(curve="loss", curve_label="loss", eval_metric="val_loss", eval_label="held-out loss",
                             higher_is_better=False)
-
-    def budget(self, cfg: MasterConfig) -> int:
-        return cfg.sft.max_num_steps
-
-    def validation_due(self, cfg: MasterConfig, step: int) -> bool:
-        return supervised.validation_due(cfg.sft, step)
-
-    def retries(self, cfg: MasterConfig) -> Retries:
-        return supervised.DEFAULT_RETRIES
-
-    def schedule(self, cfg: MasterConfig) -> StepSchedule:
-        return supervised.schedule(cfg.sft.max_num_steps)
-
-    def facts_options(self, cfg: MasterConfig) -> dict[str, Any]:
-        return supervised.facts_options(SFT_GRAPH, cfg.sft.max_num_steps)
-
-    def check_recompute(self, specs: Sequence[tuple[str, int]], cfg: MasterConfig) -> None:
-        return None
+    train_keys = TRAIN_KEYS
+    update_fn = staticmethod(sft_update)
+    validate_task = staticmethod(sft_validate)
+    console_figures = (("loss", "loss", ".4f"), ("grad_norm", "grad_norm", ".3f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
         problems = []
@@ -103,55 +85,17 @@ class SFTRecipe:
     def inputs(self, ctx: StepContext, version: int, *, overlap: bool = False) -> dict[str, Any]:
         return {"batch": sft_batch(quote(ctx))}
 
-    def submit_inputs(self, ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
-        return self.inputs(ctx, version)
-
     def update(self, ctx: StepContext, inputs: Mapping[str, Any]) -> dict[str, Any]:
         return {"batch": inputs["batch"], "train": sft_train(quote(ctx), inputs["batch"])}
 
     def recompute(self, run: RunContext, step: int, generation_version: int) -> None:
         sft_batch(quote(run.step(step)))
 
-    def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
-        return sft_update(run, batches)
-
-    def validate(self, ctx: StepContext, refit: ActionResult | None) -> DatasetRef:
-        return sft_validate(quote(ctx))
-
-    def metrics_line(self, ctx: StepContext, refs: StepRefs, wall_seconds: float | None) -> dict[str, Any]:
-        return supervised.metrics_line(ctx, refs, wall_seconds, SFT_GRAPH, TRAIN_KEYS)
-
-    def rebuild_line(self, layout: RunLayout, step: int, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-        return supervised.rebuild_line(layout, step, storage_options, SFT_GRAPH, TRAIN_KEYS)
-
-    def console_line(self, run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
-        return supervised.console_line(run_id, "sft", row, max_steps, (("loss", "loss", ".4f"), ("grad_norm", "grad_norm", ".3f")))
-
-    def run(self, **params: Any) -> dict[str, Any]:
-        """A run of this recipe: its Prefect flow :func:`sft` called with ``params``."""
-        return sft(**params)
-
-    def publish_extra(self, ctx: StepContext, refs: StepRefs) -> list[tuple[str, str]]:
-        return []
-
 
 #: SFT's recipe
 SFT = SFTRecipe()
 
 
-@flow(name="sft", flow_run_name=flow_run_namer("sft"), validate_parameters=False, persist_result=False)
-def sft(
-    config: str | dict | MasterConfig | None = None,
-    run_id: str | None = None,
-    resume: bool = False,
-    overrides: list[str] | None = None,
-    storage: str | None = None,
-    recompute: list[str] | None = None,
-    take_over: bool = False,
-    fresh_optimizer: bool = False,
-) -> dict[str, Any]:
-    """Train with SFT (see the module docstring); returns ``{"run_id", "run_uri", "metrics_uri",
-    "last_step", "checkpoints", "final_metrics", "first_step", "restored"}``. The last
-    checkpoint's ``weights`` folder loads as ``policy.model_name`` of a later run."""
-    return train_run(SFT, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
-                     recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer)
+#: the Prefect flow of SFT runs (a deployment's entrypoint: ``flows/algorithms/sft.py:sft``)
+sft = recipe_flow(SFT, summary="Train with SFT (see the module docstring); the last checkpoint's ``weights`` folder "
+                             "loads as ``policy.model_name`` of a later run.")

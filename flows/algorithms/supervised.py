@@ -1,5 +1,6 @@
-"""What the recipes of DPO and SFT share, as functions each calls (no base class): both train the
-policy alone on batches drawn from the run's frozen data, at age 0, with NeMo-RL's validation keys.
+"""What the recipes of DPO and SFT share (:class:`SupervisedRecipe`, the small base class of
+both): both train the policy alone on batches drawn from the run's frozen data, at age 0, with
+NeMo-RL's validation keys.
 
 - their schedule is age 0 over ``<section>.max_num_steps`` and their retry settings the defaults;
 - a resume reads the facts of their own stage graph, and remakes a damaged step input instead of
@@ -13,24 +14,25 @@ policy alone on batches drawn from the run's frozen data, at age 0, with NeMo-RL
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import storage
-from flows.observe.metrics import stage_figures
-from flows.run.recipe import Retries
+from prefect.utilities.annotations import quote
+
+from flows.algorithms.training import recipe_flow
+from flows.config import MasterConfig
+from flows.observe.metrics import mark_rebuilt, stage_figures, stored_step
+from flows.run.recipe import Actors, Retries
 from flows.run.recompute import remake_damaged
 from nrl_tasks.run_layout import RunLayout
-from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
-from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.errors import DamagedRunError
+from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.graph import StageGraph
 from nrl_tasks.stages.refs import DatasetRef, StepRefs
 from nrl_tasks.stages.schedule import StepSchedule
 
 __all__ = [
-    "DEFAULT_RETRIES", "console_line", "facts_options", "line_from_manifests", "metrics_line", "rebuild_line", "repairs",
-    "schedule", "validation_due",
+    "DEFAULT_RETRIES", "SupervisedRecipe", "console_line", "facts_options", "line_from_manifests", "metrics_line",
+    "rebuild_line", "repairs", "schedule", "validation_due",
 ]
 
 #: DPO and SFT runs retry a stage that met an actor fault as GRPO's defaults do
@@ -91,28 +93,8 @@ def rebuild_line(layout: RunLayout, step: int, storage_options: dict[str, Any] |
                  train_keys: Sequence[str]) -> dict[str, Any]:
     """A lost line of trained step ``step`` from what storage holds, marked ``rebuilt`` (its
     attempts, ``step_s`` and ``orchestration_s`` unknown)."""
-    kw = {"storage_options": storage_options} if storage_options else {}
-
-    def committed(name: str) -> dict[str, Any] | None:
-        uri = layout.stage_uri(step, name)
-        if not storage.is_committed(uri, **kw):
-            return None
-        return DatasetRef.from_manifest(storage.read_manifest(uri, **kw), uri).summary()
-
-    manifests = {d: committed(d) for d in graph.datasets}
-    checkpoint = None
-    ck = layout.checkpoint_uri(step)
-    if is_checkpoint_committed(ck, storage_options):
-        try:
-            seconds = read_checkpoint_info(ck, storage_options).get("seconds")
-        except DamagedRunError:
-            seconds = None
-        checkpoint = {"seconds": seconds, "attempts": None}
-    row = line_from_manifests(step, graph, manifests, train_keys, val=committed("val"), checkpoint=checkpoint)
-    for key in [k for k in row if k.endswith("_attempts")]:
-        row[key] = None
-    row["rebuilt"] = True
-    return row
+    manifests, val, checkpoint = stored_step(layout, step, graph.datasets, storage_options)
+    return mark_rebuilt(line_from_manifests(step, graph, manifests, train_keys, val=val, checkpoint=checkpoint))
 
 
 def console_line(run_id: str, kind: str, row: Mapping[str, Any], max_steps: int, figures: Sequence[tuple[str, str, str]]) -> str:
@@ -132,3 +114,66 @@ def console_line(run_id: str, kind: str, row: Mapping[str, Any], max_steps: int,
             tail += f" = work {row['step_s'] - row['orchestration_s']:.2f}s + orchestration {row['orchestration_s']:.2f}s"
     retried = [f"{k[: -len('_attempts')]} x{row[k]}" for k in row if k.endswith("_attempts") and isinstance(row[k], int) and row[k] > 1]
     return " ".join(parts) + (" | " + " ".join(vals) if vals else "") + tail + (" | attempts " + " ".join(retried) if retried else "")
+
+
+class SupervisedRecipe:
+    """The parts of DPO's and SFT's recipes that are the same (see the module docstring); a
+    subclass sets ``kind``, ``section``, ``graph``, ``unread_sections``, ``summary``,
+    ``train_keys`` (the ``train`` figures of its metrics line) and ``console_figures``
+    (``(label, key, format)`` of its console line) and implements its data and stages."""
+
+    actors = Actors()
+    section: str
+    graph: StageGraph
+    train_keys: tuple[str, ...] = ()
+    console_figures: tuple[tuple[str, str, str], ...] = ()
+    #: its one update from a step's batches (what its train stage runs and a replay repeats)
+    update_fn: Callable[[RunContext, Mapping[str, Any]], dict[str, float]]
+    #: its validation task (``ctx`` quoted -> the step's ``val``)
+    validate_task: Callable[[Any], DatasetRef]
+
+    def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
+        return self.update_fn(run, batches)
+
+    def validate(self, ctx: StepContext, refit: Any) -> DatasetRef:
+        return self.validate_task(quote(ctx))
+
+    def run(self, **params: Any) -> dict[str, Any]:
+        """A run of this recipe: its Prefect flow (:func:`flows.algorithms.training.recipe_flow`)."""
+        return recipe_flow(self)(**params)
+
+    def _section(self, cfg: MasterConfig) -> Any:
+        return getattr(cfg, self.section)
+
+    def budget(self, cfg: MasterConfig) -> int:
+        return self._section(cfg).max_num_steps
+
+    def validation_due(self, cfg: MasterConfig, step: int) -> bool:
+        return validation_due(self._section(cfg), step)
+
+    def retries(self, cfg: MasterConfig) -> Retries:
+        return DEFAULT_RETRIES
+
+    def schedule(self, cfg: MasterConfig) -> StepSchedule:
+        return schedule(self.budget(cfg))
+
+    def facts_options(self, cfg: MasterConfig) -> dict[str, Any]:
+        return facts_options(self.graph, self.budget(cfg))
+
+    def check_recompute(self, specs: Sequence[tuple[str, int]], cfg: MasterConfig) -> None:
+        return None
+
+    def submit_inputs(self, ctx: StepContext, version: int, after: Any = None) -> dict[str, Any]:
+        return self.inputs(ctx, version)  # type: ignore[attr-defined]  # never submitted: age 0
+
+    def metrics_line(self, ctx: StepContext, refs: StepRefs, wall_seconds: float | None) -> dict[str, Any]:
+        return metrics_line(ctx, refs, wall_seconds, self.graph, self.train_keys)
+
+    def rebuild_line(self, layout: RunLayout, step: int, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+        return rebuild_line(layout, step, storage_options, self.graph, self.train_keys)
+
+    def console_line(self, run_id: str, row: Mapping[str, Any], max_steps: int) -> str:
+        return console_line(run_id, self.section, row, max_steps, self.console_figures)
+
+    def publish_extra(self, ctx: StepContext, refs: StepRefs) -> list[tuple[str, str]]:
+        return []

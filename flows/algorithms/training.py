@@ -31,17 +31,17 @@ from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from flows.algorithms.driver import StepDriver
-from flows.algorithms.step import StepPlan, publish_step, step_plan, tag_flow_run, without_subflow_heartbeats
+from flows.algorithms.step import StepPlan, flow_label, publish_step, step_plan, tag_flow_run, without_subflow_heartbeats
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
-from flows.run.preflight import check_plugins
-from flows.run.resolve import new_run_id, resolve_config
 from flows.observe.artifacts import BackgroundPublisher, RunArtifacts
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
 from flows.observe.trackers import open_trackers, publish_tracker_links
+from flows.run.preflight import check_plugins
 from flows.run.recipe import Recipe
 from flows.run.recompute import apply_recompute, parse_recompute
 from flows.run.recovery import RetryBudget, recover, run_step
+from flows.run.resolve import new_run_id, resolve_config
 from flows.run.retention import RetentionPolicy, apply_retention
 from flows.run.runtime import load_tokenizer
 from flows.run.session import RunIntent, run_session, tag_this_flow_run
@@ -236,24 +236,53 @@ def train_run(
     }
 
 
-#: kind -> the Prefect flow of a recipe without a flow of its own (a cache: made once per process)
+#: kind -> the Prefect flow of a recipe (a cache: made once per process)
 _FLOWS: dict[str, Any] = {}
 
+_FLOW_DOC = """{summary}
 
-def recipe_flow(recipe: Recipe) -> Any:
-    """A Prefect flow running ``recipe`` (:func:`train_run`), named after its kind: for a recipe
-    defined outside :mod:`flows.algorithms` (a plug-in named by the config's ``algorithm`` key),
-    whose ``run`` can be ``recipe_flow(self)(**params)``."""
+    The flow holds the run's lease (:mod:`flows.run.lease`) from before its first write to its
+    end. Returns ``{{"run_id", "run_uri", "last_step", "metrics_uri", "checkpoints", "final_metrics",
+    "restored", "first_step"}}`` (``restored``: where the weights came from and the steps replayed).
+
+    Args:
+        config: YAML config path (e.g. configs/{kind}_tiny.yaml), a dict or a MasterConfig. Ignored
+            (with a warning) when resuming: the run keeps its saved config.yaml; refused if it
+            would change the run's result-affecting settings.
+        run_id: the run's id (default: a new one); with resume, the run to continue.
+        resume: continue the run from its persisted batches and checkpoints (e.g. extend a
+            finished run with overrides=["{section}.max_num_steps=70"]).
+        overrides: dotted key=value overrides, e.g. ["{section}.max_num_steps=70", "policy.optimizer.kwargs.lr=1e-5"].
+        storage: storage root holding the runs: a local path, file:// or s3://bucket/prefix.
+        recompute: with resume, STAGE@STEP items to recompute (e.g. ["{stage}@3"]).
+        take_over: take the run's lease from a holder that looks live but is gone (its machine died).
+        fresh_optimizer: with resume, train on from a checkpoint saved without optimizer state
+            (checkpointing.save_optimizer=false; refused otherwise), recorded as optimizer_reset.
+    """
+
+
+def recipe_flow(
+    recipe: Recipe, *, summary: str | None = None, configure: Callable[[MasterConfig, str, Any], MasterConfig] | None = None,
+    saved_form: Callable[[MasterConfig, str], MasterConfig] | None = None,
+) -> Any:
+    """The Prefect flow of ``recipe``'s runs (:func:`train_run`), named after its kind
+    (``grpo``, ``dpo``, ``sft``; a plug-in ``module:NAME`` -> ``name``): every algorithm module makes
+    its flow with it (``grpo = recipe_flow(GRPO, ...)``, a deployment's entrypoint), and a recipe
+    defined outside :mod:`flows.algorithms` runs as ``recipe_flow(self)(**params)``.
+    ``summary``: the flow's first docstring line; ``configure`` / ``saved_form``: :func:`train_run`'s."""
     if recipe.kind not in _FLOWS:
-        label = recipe.kind.rpartition(":")[2].lower()
+        label = flow_label(recipe.kind)
 
-        def run_recipe(config: Any = None, run_id: str | None = None, resume: bool = False, overrides: list[str] | None = None,
-                       storage: str | None = None, recompute: list[str] | None = None, take_over: bool = False,
-                       fresh_optimizer: bool = False) -> dict[str, Any]:
-            """A run of the recipe (:func:`flows.algorithms.training.train_run`)."""
+        def run_recipe(config: str | dict | MasterConfig | None = None, run_id: str | None = None, resume: bool = False,
+                       overrides: list[str] | None = None, storage: str | None = None, recompute: list[str] | None = None,
+                       take_over: bool = False, fresh_optimizer: bool = False) -> dict[str, Any]:
             return train_run(recipe, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
-                             recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer)
+                             recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer,
+                             configure=configure, saved_form=saved_form)
 
+        run_recipe.__name__ = run_recipe.__qualname__ = label
+        run_recipe.__doc__ = _FLOW_DOC.format(summary=summary or f"Train with {label}.", kind=label, section=recipe.section,
+                                              stage=recipe.graph.stages[-1].name)
         _FLOWS[recipe.kind] = flow(name=label, flow_run_name=flow_run_namer(label), validate_parameters=False,
                                    persist_result=False)(run_recipe)
     return _FLOWS[recipe.kind]

@@ -29,10 +29,10 @@ from typing import Any
 from flows.algorithms.sft import sft
 from flows.config import MasterConfig
 from flows.run.resolve import resolve_config
-from storage import fs
 from nrl_tasks.config.sft import SFTConfig
 from nrl_tasks.run_layout import RunLayout, join_uri
 from nrl_tasks.stages.checkpoint import is_checkpoint_committed
+from storage import fs
 
 __all__ = ["ensure_warm_start", "run_sft_warm_start", "warm_start_config", "warm_start_run_id", "warm_start_weights", "with_warm_start_weights"]
 

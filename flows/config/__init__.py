@@ -31,7 +31,11 @@ from flows.config.io import load_yaml_file, load_yaml_text
 from flows.config.overrides import apply_overrides
 from nrl_tasks.config.bounds import value_errors
 from nrl_tasks.config.cluster import (
-    CheckpointingConfig, ClusterConfig, RayConfig, StorageConfig, StorageRetryConfig,
+    CheckpointingConfig,
+    ClusterConfig,
+    RayConfig,
+    StorageConfig,
+    StorageRetryConfig,
 )
 from nrl_tasks.config.credentials import credential_paths, redact
 from nrl_tasks.config.data import DataConfig, EnvConfig

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import storage
 from nrl_tasks.stages.checkpoint import is_checkpoint_committed, read_checkpoint_info
@@ -47,9 +47,11 @@ __all__ = [
     "format_console_line",
     "orchestration_seconds",
     "read_metrics",
+    "mark_rebuilt",
     "rebuild_step_metrics",
     "repair_metrics",
     "stage_figures",
+    "stored_step",
     "upsert_metrics",
 ]
 
@@ -249,11 +251,11 @@ def orchestration_seconds(step_s: float, row: Mapping[str, Any]) -> float | None
     return max(0.0, float(step_s) - work)
 
 
-def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The metrics line of trained step ``step`` from what storage holds (its committed
-    datasets, its ``val`` and checkpoint), marked ``"rebuilt": true``; see the module docstring
-    for what it lacks."""
-
+def stored_step(
+    layout: Any, step: int, datasets: Iterable[str], storage_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any] | None, dict[str, Any] | None]:
+    """What storage holds of trained step ``step``: the summaries of its committed ``datasets``
+    (``None``: not committed), of its ``val`` and of its checkpoint (its seconds; ``None``: none)."""
     kw = {"storage_options": storage_options} if storage_options else {}
 
     def committed(name: str) -> dict[str, Any] | None:
@@ -262,11 +264,6 @@ def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any]
             return None
         return DatasetRef.from_manifest(storage.read_manifest(uri, **kw), uri).summary()
 
-    manifests = {name: committed(name) for name in {*STAGE_SECONDS.values(), "train"}}
-    rewards = None
-    if manifests.get("rewards") is not None:
-        rw = storage.load_batch(layout.stage_uri(step, "rewards"), columns=["rewards", "reward_valid"], **kw)
-        rewards = (rw["rewards"], rw["reward_valid"])
     checkpoint = None
     ck = layout.checkpoint_uri(step)
     if is_checkpoint_committed(ck, storage_options):
@@ -275,12 +272,28 @@ def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any]
         except DamagedRunError:  # the resume plan deals with the checkpoint; the line lacks its time
             seconds = None
         checkpoint = {"seconds": seconds, "attempts": None}
-    val = committed("val")
-    row = build_step_metrics(step, manifests, val=val, checkpoint=checkpoint, rewards=rewards)
+    return {d: committed(d) for d in datasets}, committed("val"), checkpoint
+
+
+def mark_rebuilt(row: dict[str, Any]) -> dict[str, Any]:
+    """A rebuilt line: its attempts unknown (no record of the flow run that did the work), ``rebuilt: true``."""
     for key in [k for k in row if k.endswith("_attempts")]:
-        row[key] = None  # unknown: no record of the flow run that did the work
+        row[key] = None
     row["rebuilt"] = True
     return row
+
+
+def rebuild_step_metrics(layout: Any, step: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics line of trained step ``step`` from what storage holds (its committed
+    datasets, its ``val`` and checkpoint), marked ``"rebuilt": true``; see the module docstring
+    for what it lacks."""
+    manifests, val, checkpoint = stored_step(layout, step, {*STAGE_SECONDS.values(), "train"}, storage_options)
+    rewards = None
+    if manifests.get("rewards") is not None:
+        kw = {"storage_options": storage_options} if storage_options else {}
+        rw = storage.load_batch(layout.stage_uri(step, "rewards"), columns=["rewards", "reward_valid"], **kw)
+        rewards = (rw["rewards"], rw["reward_valid"])
+    return mark_rebuilt(build_step_metrics(step, manifests, val=val, checkpoint=checkpoint, rewards=rewards))
 
 
 def repair_metrics(

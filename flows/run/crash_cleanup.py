@@ -33,7 +33,11 @@ def mark_orphans_crashed(previous_flow_run_id: str | None, current_flow_run_id: 
 def _mark(previous: uuid.UUID, current: uuid.UUID | None, log: Any) -> int:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
-        FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId, TaskRunFilter, TaskRunFilterState,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterState,
         TaskRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType

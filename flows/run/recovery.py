@@ -50,7 +50,11 @@ from flows.run.recipe import Recipe, Retries
 from flows.run.runtime import recreate_generation, recreate_policy
 from nrl_tasks.config.hash import config_hash
 from nrl_tasks.stages.checkpoint import (
-    checkpoint_info, discard_checkpoint, has_optimizer_state, restore_checkpoint, save_checkpoint,
+    checkpoint_info,
+    discard_checkpoint,
+    has_optimizer_state,
+    restore_checkpoint,
+    save_checkpoint,
 )
 from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext

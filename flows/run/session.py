@@ -54,18 +54,23 @@ from typing import Any, Callable, Iterator
 from prefect.exceptions import TerminationSignal
 
 from flows.config import ConfigError, MasterConfig
-from flows.run.crash_cleanup import mark_orphans_crashed
 from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
+from flows.run.crash_cleanup import mark_orphans_crashed
 from flows.run.history import attempt_kind, begin_attempt, end_attempt, flow_run_name, refused_name
-from flows.run.plugins import load_observers
 from flows.run.lease import check_fence, hold_run_lease
-from flows.run.recipe import Recipe
+from flows.run.plugins import load_observers
 from flows.run.process import (
-    current_process, ephemeral_prefect_servers, flow_process_alive, reap_local_ray, reap_prefect_server, this_host,
+    current_process,
+    ephemeral_prefect_servers,
+    flow_process_alive,
+    reap_local_ray,
+    reap_prefect_server,
+    this_host,
 )
+from flows.run.recipe import Recipe
+from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from flows.run.start import StartPlan, plan_start
 from flows.run.state import init_run, read_status, write_status
-from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext

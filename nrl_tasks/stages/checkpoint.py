@@ -31,9 +31,8 @@ import shutil
 import tempfile
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
-
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 
@@ -41,13 +40,13 @@ from nrl_tasks.run_layout import join_uri, parse_step_dir
 from nrl_tasks.stages.checkpoint_files import (
     COMMIT_FILE,
     CheckpointDamagedError,
+    _fs,
+    _is_s3,
+    _local,
     check_checkpoint,
     file_manifest,
     read_checkpoint_json,
     remote_file_manifest,
-    _fs,
-    _is_s3,
-    _local,
 )
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.refs import ActionResult, DatasetRef

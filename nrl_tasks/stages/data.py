@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "batch_draw",
     "check_prompt_lengths",
     "clip_text",
     "completion_batch",
@@ -98,6 +99,15 @@ def step_record_indices(*, num_records: int, step: int, num_prompts: int, seed: 
             perms[epoch] = epoch_permutation(num_records, seed, epoch)
         out.append(perms[epoch][i])
     return out
+
+
+def batch_draw(ctx: Any, split: str, seed: int) -> tuple[list[dict[str, str]], list[int]]:
+    """The run's frozen rows of ``split`` and the ones step ``ctx.step`` of a supervised run (DPO,
+    SFT) trains on: the step's block of ``policy.train_global_batch_size`` rows of the run's row
+    order (``seed``; reshuffled every epoch with ``data.shuffle``)."""
+    records, cfg = ctx.run.records(split), ctx.cfg
+    return records, step_record_indices(num_records=len(records), step=ctx.step, seed=seed, shuffle=cfg.data.shuffle,
+                                        num_prompts=cfg.policy.train_global_batch_size)
 
 
 def gen_batch_record_indices(

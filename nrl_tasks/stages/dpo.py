@@ -23,17 +23,16 @@ from typing import Any
 import torch
 from prefect import task
 
-from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.algorithms.dpo import DPOLossFn
+from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import RunContext, StepContext
-from nrl_tasks.stages.data import step_record_indices
+from nrl_tasks.stages.data import batch_draw
 from nrl_tasks.stages.graph import StageGraph, StageSpec
-from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.preferences import build_pair_batch
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.supervised import supervised_validation
-from nrl_tasks.stages.train import train_metrics
+from nrl_tasks.stages.train import timed_update, train_metrics
 
 __all__ = ["DPO_DATASETS", "DPO_GRAPH", "dpo_train", "dpo_update", "dpo_validate", "preference_pairs", "reference_logprobs"]
 
@@ -53,9 +52,7 @@ def preference_pairs(ctx: StepContext) -> DatasetRef:
     cfg = ctx.cfg
 
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        recs = ctx.run.records("preferences")
-        idx = step_record_indices(num_records=len(recs), step=ctx.step, num_prompts=cfg.policy.train_global_batch_size,
-                                  seed=cfg.dpo.seed, shuffle=cfg.data.shuffle)
+        recs, idx = batch_draw(ctx, "preferences", cfg.dpo.seed)
         return build_pair_batch(recs, idx, ctx.tokenizer, cfg.data, cfg.policy.max_total_sequence_length), {}
 
     return run_stage(ctx, "preference_pairs", compute, output="pairs")
@@ -95,19 +92,12 @@ def dpo_train(ctx: StepContext, pairs: DatasetRef, reference: DatasetRef) -> Dat
     persist its metrics and the weights checksum as ``train``."""
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        policy = ctx.policy
-        check_policy_version(policy, ctx.step - 1, f"dpo_train of step {ctx.step}")
-        ctx.actor_call("dpo_train", "policy", policy.worker_group.workers)
-        with timer.phase("train"):
-            metrics = dpo_update(ctx.run, inputs)
-        if policy.weights_version != ctx.step:
-            raise RuntimeError(f"after dpo_train of step {ctx.step} the policy reports version {policy.weights_version}")
-        row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
+        metrics, row = timed_update(ctx, "dpo_train", dpo_update, inputs, timer)
         keep = ("loss", "grad_norm", "accuracy", "rewards_margin_mean", "rewards_chosen_mean", "rewards_rejected_mean",
                 "preference_loss", "sft_loss")
         return BatchedDataDict(row), {
             **{k: metrics[k] for k in keep if k in metrics and math.isfinite(metrics[k])},
-            "train_seconds": timer.seconds["train"], "weights_checksum": policy.weights_checksum(),
+            "train_seconds": timer.seconds["train"], "weights_checksum": ctx.policy.weights_checksum(),
         }
 
     return run_stage(ctx, "dpo_train", compute, inputs={"pairs": pairs, "reference": reference}, output="train",

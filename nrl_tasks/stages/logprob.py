@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from prefect import task
 
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict

@@ -22,7 +22,6 @@ weights checksum after the update, which a resume's replay (:func:`sft_update` f
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import torch
@@ -32,15 +31,20 @@ from nrl_tasks.algorithms.loss_functions import NLLLossFn
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.data import (
-    _read_rows, clip_text, format_prompt, load_prompt_records, masked_batch, render_messages, step_record_indices,
+    _read_rows,
+    batch_draw,
+    clip_text,
+    format_prompt,
+    load_prompt_records,
+    masked_batch,
+    render_messages,
 )
 from nrl_tasks.stages.graph import StageGraph, StageSpec
-from nrl_tasks.stages.logprob import check_policy_version
 from nrl_tasks.stages.multi_turn import demonstration_tokens
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.supervised import supervised_validation
-from nrl_tasks.stages.train import finite_or_none, train_metrics
+from nrl_tasks.stages.train import finite_or_none, timed_update, train_metrics
 
 __all__ = ["SFT_GRAPH", "build_sft_batch", "load_sft_records", "sft_batch", "sft_train", "sft_update", "sft_validate"]
 
@@ -138,9 +142,7 @@ def sft_batch(ctx: StepContext) -> DatasetRef:
     cfg = ctx.cfg
 
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        recs = ctx.run.records("train")
-        idx = step_record_indices(num_records=len(recs), step=ctx.step, num_prompts=cfg.policy.train_global_batch_size,
-                                  seed=cfg.sft.seed, shuffle=cfg.data.shuffle)
+        recs, idx = batch_draw(ctx, "train", cfg.sft.seed)
         b = build_sft_batch([recs[i] for i in idx], ctx.tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
         b["record_index"] = torch.tensor(idx, dtype=torch.int64)
         return b, {"tokens": int(b["token_mask"].sum())}
@@ -164,18 +166,11 @@ def sft_train(ctx: StepContext, batch: DatasetRef) -> DatasetRef:
     after); persist its metrics and the weights checksum as ``train``."""
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        policy = ctx.policy
-        check_policy_version(policy, ctx.step - 1, f"sft_train of step {ctx.step}")
-        ctx.actor_call("sft_train", "policy", policy.worker_group.workers)
-        with timer.phase("train"):
-            metrics = sft_update(ctx.run, inputs)
-        if policy.weights_version != ctx.step:
-            raise RuntimeError(f"after sft_train of step {ctx.step} the policy reports version {policy.weights_version}")
-        row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
+        metrics, row = timed_update(ctx, "sft_train", sft_update, inputs, timer)
         tokens = int(inputs["batch"]["token_mask"].sum())
         return BatchedDataDict(row), finite_or_none({
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "train_seconds": timer.seconds["train"],
-            "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9), "weights_checksum": policy.weights_checksum(),
+            "tokens_per_s": tokens / max(timer.seconds["train"], 1e-9), "weights_checksum": ctx.policy.weights_checksum(),
         }, f"sft_train of step {ctx.step}")
 
     return run_stage(ctx, "sft_train", compute, inputs={"batch": batch}, output="train", weights_version=ctx.step)

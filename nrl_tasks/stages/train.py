@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["build_train_data", "finite_or_none", "grpo_update", "replay_train", "run_train", "train", "train_metrics"]
+__all__ = ["build_train_data", "finite_or_none", "grpo_update", "replay_train", "run_train", "timed_update", "train",
+           "train_metrics"]
 
 _log = logging.getLogger(__name__)
 
@@ -167,6 +168,23 @@ def replay_train(
     return {"step": step, "replayed": True}
 
 
+def timed_update(
+    ctx: StepContext, stage: str, update: Callable[[Any, Mapping[str, BatchedDataDict]], dict[str, float]],
+    inputs: Mapping[str, BatchedDataDict], timer: Any,
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The part of every algorithm's train stage that calls the policy: the policy must hold
+    version ``step - 1`` (``StalePolicyError``), ``update(run, inputs)`` runs timed as ``train``,
+    and the policy must hold ``step`` after it. Returns the update's metrics and its finite ones
+    as the one-row batch the stage commits."""
+    policy = ctx.policy
+    check_policy_version(policy, ctx.step - 1, f"{stage} of step {ctx.step}")
+    ctx.actor_call(stage, "policy", policy.worker_group.workers)
+    with timer.phase("train"):
+        metrics = update(ctx.run, inputs)
+    _check_version(policy, ctx.step)
+    return metrics, {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
+
+
 @task(name="train", task_run_name="train-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, advantages: DatasetRef) -> DatasetRef:
     """One policy update on the step's batch; persist its metrics as ``train`` (marks the step trained).
@@ -179,15 +197,9 @@ def train(ctx: StepContext, rollouts: DatasetRef, logprobs: DatasetRef | None, a
     cfg = ctx.cfg
 
     def compute(inputs: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        policy = ctx.policy
-        check_policy_version(policy, ctx.step - 1, f"train of step {ctx.step}")
-        ctx.actor_call("train", "policy", policy.worker_group.workers)
-        with timer.phase("train"):
-            metrics = grpo_update(ctx.run, inputs)
-        _check_version(policy, ctx.step)
-        checksum = policy.weights_checksum() if cfg.logger.weights_checksum else None
+        metrics, row = timed_update(ctx, "train", grpo_update, inputs, timer)
+        checksum = ctx.policy.weights_checksum() if cfg.logger.weights_checksum else None
         tokens = int(inputs["rollouts"]["input_lengths"].sum())
-        row = {k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items() if math.isfinite(v)}
         row["step"] = torch.tensor([ctx.step], dtype=torch.int64)
         # the worker's finite-value guard raises NonFiniteTrainingError for a non-finite loss or
         # grad_norm (nothing is committed then); a non-finite figure left is recorded as null
