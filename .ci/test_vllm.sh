@@ -31,7 +31,11 @@ if [ ! -f "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
     "$BIN/pip" install -q --no-deps -e .
     TF_PIN="transformers==$("$BIN/python" -c 'import transformers; print(transformers.__version__)')"
     "$BIN/pip" install -q "$TORCH_PIN" "$TF_PIN" "ray==2.60.0" "pytest>=9" "pytest-timeout>=2.3" \
-        "hypothesis>=6.100" "safetensors>=0.6" "pyyaml>=6" "pyarrow>=26" "xxhash>=3"
+        "hypothesis>=6.100" "safetensors>=0.6" "pyyaml>=6" "pyarrow>=26" "xxhash>=3" \
+        "tenacity>=9" "pydantic-settings>=2.6,<3" "fsspec>=2026.9.0" "psutil>=5.9"
+    # the import chain the generation workers load (storage retries on tenacity, the NRL_* knobs
+    # on pydantic-settings): a missing one fails collection, as in the CI run of 2026-12-06
+    "$BIN/python" -c "import nrl_tasks.models.generation.hf_worker, nrl_tasks.models.generation.vllm_generation"
     "$BIN/python" -c "import vllm, torch; print('[test_vllm] vllm', vllm.__version__, 'torch', torch.__version__)"
     touch "$STAMP"
 fi

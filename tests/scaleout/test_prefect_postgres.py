@@ -86,7 +86,7 @@ def test_deployments_run_on_a_postgres_backed_server(tmp_path, tiny_model_dir):
                     assert c.laddr.ip == "127.0.0.1", (p.name(), c.laddr)
 
         deployments = {r[0] for r in _query(state, "SELECT name FROM deployment")}
-        assert deployments == {"grpo-train", "eval-sweep"}
+        assert deployments == {"grpo-train", "post-train", "eval-sweep"}
         # the cron schedule of eval-sweep is there; pause it so no hourly sweep of ./runs starts here
         sched = run([PREFECT, "deployment", "schedule", "ls", "eval-sweep/eval-sweep"], env, 120)
         assert "cron: 0 * * * *" in sched
