@@ -18,9 +18,11 @@ Not a benchmark: a reproducible tour of what a person sees. Everything is real a
    its rollouts artifact with whole episodes, the best and the worst (``rollouts-multi-turn.png``);
 6. a long run (``--long-steps``, default 200) of the ``grpo-train`` deployment on a process worker,
    SIGKILLed twice and retried as the UI's Retry does: the runs list at the UI's default settings,
-   the run's page, its Artifacts tab and its summary with the history (:func:`long_run_tour`).
+   the run's page, its Artifacts tab and its summary with the history (:func:`long_run_tour`);
+7. the post-training pipeline (``nrl pipeline --config configs/pipeline_tiny.yaml``): its flow
+   run with one subflow per stage, the runs list and its summary (:func:`pipeline_tour`).
 
-    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000] [--parts run multi-turn long] [--long-steps 200]
+    python -m benchmarks.ui_tour --out /tmp/screens [--steps 20] [--mlflow-uri http://127.0.0.1:5000] [--parts run multi-turn long pipeline] [--long-steps 200]
 """
 
 from __future__ import annotations
@@ -226,6 +228,27 @@ def multi_turn_tour(procs: Processes, env: dict[str, str], api: str, ui: str, ou
     shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "rollouts-multi-turn.png"), height=1600)
 
 
+def pipeline_tour(procs: Processes, env: dict[str, str], api: str, ui: str, out: str, tmp: str) -> None:
+    """The post-training pipeline (``configs/pipeline_tiny.yaml``: sft -> dpo -> grpo -> eval) run
+    by ``nrl pipeline``: its flow run's page with one subflow per stage (``pipeline-run.png``),
+    the runs list (``pipeline-runs.png``) and the pipeline's summary (``pipeline-summary.png``)."""
+    from flows.observe.artifacts import artifact_key
+
+    pid = "tour-pipe"
+    proc = procs.start([os.path.join(BIN, "nrl"), "pipeline", "--config", "configs/pipeline_tiny.yaml", "--storage",
+                        os.path.join(tmp, "runs"), "--run-id", pid], env, os.path.join(tmp, "pipeline.log"))
+    if proc.wait(1800) != 0:
+        raise RuntimeError(f"the pipeline failed ({proc.returncode}); see {tmp}/pipeline.log")
+    top = _api(api, "/flow_runs/filter", {"flow_runs": {"name": {"any_": [pid]}}, "limit": 1})
+    if not top:
+        raise RuntimeError(f"no flow run {pid}")
+    shoot(f"{ui}/runs/flow-run/{top[0]['id']}", os.path.join(out, "pipeline-run.png"), height=1200)
+    shoot(f"{ui}/runs", os.path.join(out, "pipeline-runs.png"), height=1200)
+    aid = _artifact_id(api, artifact_key(pid, "summary"))
+    if aid:
+        shoot(f"{ui}/artifacts/artifact/{aid}", os.path.join(out, "pipeline-summary.png"), height=1900)
+
+
 def _count_in(path: str, text: str) -> int:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -298,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--mlflow-uri", default=None, help="an MLflow server the run logs to (its UI is captured)")
-    ap.add_argument("--parts", nargs="*", choices=["run", "multi-turn", "long"], default=["run", "multi-turn", "long"],
-                    help="run: the GRPO run, its eval sweep and trackers (1-4); multi-turn: 5; long: 6")
+    ap.add_argument("--parts", nargs="*", choices=["run", "multi-turn", "long", "pipeline"],
+                    default=["run", "multi-turn", "long", "pipeline"],
+                    help="run: the GRPO run, its eval sweep and trackers (1-4); multi-turn: 5; long: 6; pipeline: 7")
     ap.add_argument("--long-steps", type=int, default=200)
     ap.add_argument("--multi-turn-steps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -328,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             multi_turn_tour(procs, env, api, pages, out, tmp, args.multi_turn_steps)
         if "long" in args.parts:
             long_run_tour(procs, env, api, pages, out, tmp, args.long_steps)
+        if "pipeline" in args.parts:
+            pipeline_tour(procs, env, api, pages, out, tmp)
         print(f"[tour] screenshots in {out}; run files in {tmp}", flush=True)
     finally:
         procs.close()

@@ -70,7 +70,8 @@ def warm_start_config(cfg: MasterConfig) -> dict[str, Any]:
     mbs = min(policy.train_micro_batch_size, ws.batch_size)
     update: dict[str, Any] = {"train_global_batch_size": ws.batch_size, "train_micro_batch_size": mbs}
     if ws.lr is not None:
-        update["optimizer"] = policy.optimizer.model_copy(update={"kwargs": {**policy.optimizer.kwargs, "lr": ws.lr}})
+        kwargs = policy.optimizer.kwargs.model_copy(update={"lr": ws.lr})
+        update["optimizer"] = policy.optimizer.model_copy(update={"kwargs": kwargs})
     policy = policy.model_copy(update=update)
     base = cfg.model_copy(update={
         "warm_start": type(ws)(), "policy": policy, "sft": SFTConfig(max_num_steps=ws.sft_steps, seed=cfg.grpo.seed + SEED_OFFSET),

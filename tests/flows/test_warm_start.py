@@ -58,3 +58,19 @@ def test_grpo_runs_its_warm_start_once_and_resumes_on_its_weights(tmp_path, pref
     assert os.stat(sft_manifest).st_mtime_ns == stamp  # the warm start was reused, not trained again
     status = read_status(RunLayout(root, run_id)) or {}
     assert _flow_run_name(status["flow_run_id"]) == f"{run_id}-extend-2"  # the run's second flow, an extension
+
+
+def test_the_warm_start_config_is_an_sft_run_with_its_own_batch_and_learning_rate(tmp_path):
+    """The SFT run a warm start trains: its steps, batch size and learning rate from
+    ``warm_start``, checkpointed at its last step, the GRPO policy's other settings kept."""
+    from flows.algorithms.warm_start import warm_start_config
+    from flows.config import load_config
+    from nrl_tasks.config.master import MasterConfig
+
+    overrides = ["warm_start.sft_steps=3", "warm_start.batch_size=8", "warm_start.lr=0.003", "policy.optimizer.kwargs.weight_decay=0.0"]
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_tiny.yaml"), overrides)
+    data = warm_start_config(cfg)
+    sft = MasterConfig.model_validate(data)
+    assert sft.kind == "sft" and sft.sft.max_num_steps == 3 and sft.checkpointing.save_period == 3
+    assert sft.policy.train_global_batch_size == 8 and sft.policy.optimizer.kwargs.lr == 0.003
+    assert sft.policy.optimizer.kwargs.weight_decay == 0.0 and sft.warm_start.sft_steps == 0
