@@ -10,6 +10,7 @@
     nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
     nrl eval RUN_ID|PREFIX [--storage URI] [--dataset PATH] [--num-samples K] [--max-prompts N]
     nrl runs [--storage URI]
+    nrl check CONFIG [key=value ...] [--resolved]   (load, resolve and validate; print the kind and hash)
 
 One start command per registered algorithm (:mod:`flows.algorithms.registry`), each the same
 code with the algorithm's recipe. ``key=value`` overrides may come before, between or after the options. Defaults: storage
@@ -39,14 +40,15 @@ from flows.algorithms.evaluate import eval_sweep
 from flows.algorithms.registry import RECIPES, recipe_of
 from flows.algorithms.step import flow_label
 from flows.cli_run import EXIT_FAILED, run_flow, run_pipeline_flow
-from flows.config import ConfigError, MasterConfig, read_config_data
+from flows.config import ConfigError, MasterConfig, config_hash, config_to_yaml, load_config, read_config_data
+from flows.config.overrides import check_overrides_apply
 from flows.pipeline import apply_pipeline_overrides, load_pipeline, pipeline_exists, plan_stages, read_pipeline
 from flows.pipeline import pipeline as pipeline_flow
 from flows.run.lease import resume_refusal
 from flows.run.preflight import preflight
 from flows.run.process import describe_status
 from flows.run.recipe import Recipe
-from flows.run.resolve import new_run_id, resolve_config
+from flows.run.resolve import check_run_kind, new_run_id, resolve_config
 from flows.run.start import plan_start
 from flows.run.state import check_storage_root, list_runs, read_status, saved_config_data
 from nrl_tasks.run_layout import RunLayout, validate_run_id
@@ -55,7 +57,7 @@ from storage import fs
 __all__ = ["app", "main"]
 
 EXIT_USAGE = 2
-_OVERRIDE_COMMANDS = (*RECIPES, "train", "resume")
+_OVERRIDE_COMMANDS = (*RECIPES, "train", "resume", "check")
 
 app = App(
     name="nrl",
@@ -330,6 +332,34 @@ def runs(*, storage: str = "./runs") -> int:
     return 0
 
 
+@app.command(sort_key=len(RECIPES) + 5)
+def check(config: str, *overrides: Overrides, resolved: Flag = False) -> int:
+    """Load a config (NeMo-RL's `defaults:` chains and `${...}` interpolations too), apply the overrides,
+    resolve and validate it as `nrl train` would, without starting or writing anything: prints its
+    algorithm and the resolved config's hash (exit 0), or every problem (exit 2).
+
+    Args:
+        config: YAML config
+        overrides: dotted config overrides
+        resolved: also print the resolved config (as a run saves it)
+    """
+    overrides = list(overrides)
+    try:
+        recipe = recipe_of(read_config_data(config, overrides))
+        check_overrides_apply(overrides, recipe.kind, recipe.unread_sections)
+        cfg = load_config(config, overrides)
+        check_run_kind(cfg, recipe.kind, config)
+        if problems := recipe.check_config(cfg):
+            raise ConfigError("; ".join(problems))
+        preflight(cfg, check_data=recipe.check_data)  # the data, plug-ins, model, Ray size
+    except ValueError as exc:
+        return _error(str(exc))
+    print(f"{config}: a valid {recipe.kind.upper()} config, hash {config_hash(cfg)}")
+    if resolved:
+        print(config_to_yaml(cfg), end="")
+    return 0
+
+
 def _config_sections() -> str:
     """The config model's sections, for the help of the commands that take ``key=value`` overrides."""
 
@@ -341,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_env()
     tokens = list(sys.argv[1:] if argv is None else argv)
     if not tokens:
-        return _error(f"a command is required: {', '.join(RECIPES)}, train, pipeline, resume, eval or runs (see `nrl --help`)")
+        return _error(f"a command is required: {', '.join(RECIPES)}, train, pipeline, resume, eval, runs or check "
+                      "(see `nrl --help`)")
     if tokens and tokens[0] in _OVERRIDE_COMMANDS and {"-h", "--help"} & set(tokens):
         app[tokens[0]].help_epilogue = _config_sections()  # imported only for this help
     else:

@@ -27,7 +27,8 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from flows.config.io import load_yaml_file, load_yaml_text
+from flows.config.compose import compose_file, resolve_interpolations
+from flows.config.io import load_yaml_text
 from flows.config.overrides import apply_overrides
 from nrl_tasks.config.bounds import value_errors
 from nrl_tasks.config.cluster import (
@@ -102,10 +103,12 @@ def _validation_lines(exc: ValidationError, skip: dict[str, str]) -> list[str]:
 def load_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML config file into a dict (``ConfigError`` naming the file on failure).
 
-    Read by :func:`flows.config.io.load_yaml_file`: at most 1 MiB, no repeated keys, bounded
-    alias expansion, a non-empty mapping. A saved ``config_hash`` is dropped.
+    Each file is read by :func:`flows.config.io.load_yaml_file`: at most 1 MiB, no repeated keys,
+    bounded alias expansion, a non-empty mapping. NeMo-RL's ``defaults:`` parents are merged in
+    (:func:`flows.config.compose.compose_file`); ``${...}`` interpolations are left for
+    :func:`load_config` to resolve after the overrides. A saved ``config_hash`` is dropped.
     """
-    data = load_yaml_file(path)
+    data = compose_file(path)
     data.pop("config_hash", None)
     return data
 
@@ -137,7 +140,9 @@ def load_config(
     """Build a validated :class:`MasterConfig` from a YAML path, a dict or a config, plus overrides.
 
     Raises :class:`ConfigError` listing every problem at once, headed by ``name`` (default: the
-    path, or ``<dict>`` / ``<config object>`` / ``<defaults>``). Only this entry point also runs
+    path, or ``<dict>`` / ``<config object>`` / ``<defaults>``). ``${...}`` interpolations are
+    resolved after the overrides (:func:`flows.config.compose.resolve_interpolations`), so the
+    resolved values are what is validated, saved and hashed. Only this entry point also runs
     :func:`nrl_tasks.config.bounds.value_errors` (booleans as numbers, inf/nan, the ``nrl_tasks``
     sections' maxima); ``MasterConfig.model_validate`` alone does not.
     """
@@ -157,6 +162,7 @@ def load_config(
         data = apply_overrides(data, overrides)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    data = resolve_interpolations(data, label)
     found = value_errors(MasterConfig, data)  # booleans as numbers, inf/nan, sizes out of range
     lines = [f"  - {key}: {msg}" for key, msg in found.items()]
     try:
