@@ -21,6 +21,7 @@ checkpoint cadence/retention. Resuming with a different hash is refused.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable
 
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from flows.config.compose import compose_file, resolve_interpolations
 from flows.config.io import load_yaml_text
+from flows.config.nemo_rl import translate
 from flows.config.overrides import apply_overrides
 from nrl_tasks.config.bounds import value_errors
 from nrl_tasks.config.cluster import (
@@ -74,6 +76,8 @@ __all__ = [
     "saved_config_hash",
 ]
 
+
+_log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # loading and saving
@@ -163,8 +167,12 @@ def load_config(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     data = resolve_interpolations(data, label)
+    nemo = translate(data)  # NeMo-RL's keys: honoured, mapped, ignored (one warning) or refused by name
+    if (notice := nemo.notice()) is not None:
+        _log.warning("config %s: %s", label, notice)
+    data = nemo.data
     found = value_errors(MasterConfig, data)  # booleans as numbers, inf/nan, sizes out of range
-    lines = [f"  - {key}: {msg}" for key, msg in found.items()]
+    lines = [f"  - {line}" for line in nemo.errors] + [f"  - {key}: {msg}" for key, msg in found.items()]
     try:
         cfg = MasterConfig.model_validate(data)
     except ValidationError as exc:

@@ -29,7 +29,7 @@ class RewardShapingConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "RewardShapingConfig":
-        if self.max_response_length is not None and self.overlong_buffer_length > self.max_response_length:
+        if self.enabled and self.max_response_length is not None and self.overlong_buffer_length > self.max_response_length:
             raise ValueError(
                 f"grpo.reward_shaping.overlong_buffer_length ({self.overlong_buffer_length}) exceeds "
                 f"grpo.reward_shaping.max_response_length ({self.max_response_length})"

@@ -162,14 +162,17 @@ def _model(model: type[BaseModel], data: Any, loc: tuple[Any, ...], out: dict[st
             _value(field.annotation, value, loc + (key,), out, bounds.get(key))
 
 
-def _unwrap(ann: Any) -> Any:
-    """``X | None`` -> ``X``, ``Annotated[X, ...]`` -> ``X``; a union of several types -> ``Any``."""
+def _unwrap(ann: Any, value: Any = None) -> Any:
+    """``X | None`` -> ``X``, ``Annotated[X, ...]`` -> ``X``; a union of several types -> the model
+    whose fields hold every key of a mapping ``value``, else ``Any``."""
     while True:
         origin = get_origin(ann)
         if origin is Annotated:
             ann = get_args(ann)[0]
         elif origin is Union or origin is types.UnionType:
-            args = [a for a in get_args(ann) if a is not type(None)]
+            args = [_unwrap(a) for a in get_args(ann) if a is not type(None)]
+            if len(args) > 1 and isinstance(value, dict):
+                args = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel) and set(value) <= set(a.model_fields)][:1]
             ann = args[0] if len(args) == 1 else Any
         else:
             return ann
@@ -178,7 +181,7 @@ def _unwrap(ann: Any) -> Any:
 def _value(ann: Any, value: Any, loc: tuple[Any, ...], out: dict[str, str], bound: Bound | None) -> None:
     if value is None:
         return
-    ann = _unwrap(ann)
+    ann = _unwrap(ann, value)
     origin = get_origin(ann)
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         _model(ann, value, loc, out)

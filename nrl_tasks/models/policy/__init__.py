@@ -8,13 +8,14 @@ naming the key instead of a silently ignored setting.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from nrl_tasks.config.base import Section
 from nrl_tasks.config.hash import digest
 from nrl_tasks.models.generation.interfaces import GenerationConfig
+from nrl_tasks.models.policy.schedules import TorchSchedule, from_nemo_rl_list
 
 __all__ = [
     "DTensorConfig",
@@ -256,7 +257,12 @@ class PolicyConfig(Section):
     precision: Literal["float32", "bfloat16"] = "float32"
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    scheduler: Annotated[
+        Annotated[SchedulerConfig, Tag("one")] | Annotated[TorchSchedule, Tag("torch")],
+        Discriminator(lambda v: "torch" if (v.get("schedulers") if isinstance(v, dict) else isinstance(v, TorchSchedule)) else "one"),
+    ] = Field(
+        default_factory=SchedulerConfig, description="one schedule, or NeMo-RL's list of torch schedulers + milestones"
+    )
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     dp_backend: Literal["auto", "gloo", "nccl"] = "auto"
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
@@ -270,6 +276,11 @@ class PolicyConfig(Section):
     dist_timeout_s: float = Field(600.0, gt=0.0)
     profiler_dir: str | None = None
     share_prompt_prefix: bool = True
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _scheduler_list(cls, value: Any) -> Any:
+        return from_nemo_rl_list(value)  # NeMo-RL's list form (nrl_tasks.models.policy.schedules)
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

@@ -1,0 +1,163 @@
+"""NeMo-RL's own config files (tests/data/nemo_rl_configs/, copied with their source commit) load
+here: every key has a decided fate (issue 42, item 2), the table in docs/nemo_rl_keys.md is the
+one the rules write, NeMo-RL's scheduler list is torch's SequentialLR, and the algorithms not
+built here are refused by name. Nothing here starts Ray or Prefect.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+from contextlib import redirect_stdout
+
+import pytest
+
+from flows.cli import main
+from flows.config import ConfigError, load_config
+from flows.config.compose import compose_file, resolve_interpolations
+from flows.config.nemo_rl import _main as write_key_table
+from flows.config.nemo_rl import fate_of, leaf_keys, schema_keys, translate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CONFIGS = os.path.join(ROOT, "tests", "data", "nemo_rl_configs")
+FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))) + sorted(glob.glob(os.path.join(CONFIGS, "recipes", "llm", "*.yaml")))
+
+# the model, data, step-count and cluster-size overrides a CPU user gives (issue 42, item 5), plus
+# what is not built yet: NeMo-RL's dataset sections (data.train/validation/default: the built-in task
+# instead), max_num_epochs, NeMo-RL's math environment; cluster.gpus_per_node=0 on a machine without GPUs
+COMMON = ["policy.model_name=builtin:tiny", "policy.tokenizer.name=builtin:tiny", "policy.max_total_sequence_length=64",
+          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "cluster.gpus_per_node=0",
+          "cluster.num_nodes=1", "logger.wandb_enabled=false", "data.max_input_seq_length=32",
+          "data.train=null", "data.validation=null", "data.default=null"]
+BY_KIND = {
+    "grpo": ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+             "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
+             "policy.generation.vllm_cfg.max_model_len=64", "env.math=null", "grpo.max_num_epochs=null"],
+    "dpo": ["dpo.max_num_steps=2", "dpo.max_num_epochs=null"],
+    # sft.yaml names its loggers' runs after ${data.train.dataset_name}
+    "sft": ["sft.max_num_steps=2", "sft.max_num_epochs=null", "logger.wandb.name=sft", "logger.swanlab.name=sft",
+            "logger.tensorboard.log_dir=tb", "logger.mlflow.run_name=sft"],
+}
+
+
+def _kind(path: str) -> str:
+    name = os.path.basename(path)
+    return next(k for k in BY_KIND if name.startswith(k))
+
+
+def _resolved(path: str) -> dict:
+    return resolve_interpolations(compose_file(path), repr(path))
+
+
+def test_the_tested_files_are_nemo_rls_own_with_their_source():
+    assert len(FILES) == 7
+    for path in FILES:
+        with open(path, encoding="utf-8") as fh:
+            head = fh.readline()
+        assert "NVIDIA-NeMo/RL" in head and "at commit " in head, path
+
+
+@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+def test_every_key_of_nemo_rls_files_has_a_fate(path):
+    known = schema_keys()
+    data = _resolved(path)
+    undecided = [k for k in leaf_keys(data) if fate_of(k, None, known)[0] == "unknown"]
+    assert undecided == []
+
+
+def test_the_key_table_in_docs_is_the_one_the_rules_write():
+    out = io.StringIO()
+    with redirect_stdout(out):
+        write_key_table([os.path.relpath(p, ROOT) for p in FILES])
+    with open(os.path.join(ROOT, "docs", "nemo_rl_keys.md"), encoding="utf-8") as fh:
+        assert fh.read() == out.getvalue(), "regenerate: python -m flows.config.nemo_rl tests/data/nemo_rl_configs/*.yaml " \
+                                            "tests/data/nemo_rl_configs/recipes/llm/*.yaml > docs/nemo_rl_keys.md"
+
+
+@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+def test_each_file_validates_with_the_cpu_overrides_and_nrl_check_says_so(path, tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.chdir(tmp_path)
+    overrides = COMMON + BY_KIND[_kind(path)]
+    with caplog.at_level(logging.WARNING, logger="flows.config"):
+        cfg = load_config(path, overrides)
+    assert cfg.kind == _kind(path)
+    ignored = [r.getMessage() for r in caplog.records if "NeMo-RL keys ignored" in r.getMessage()]
+    assert len(ignored) == 1 and "policy.offload_optimizer_for_logprob" in ignored[0]  # one line naming the keys
+    assert cfg.checkpointing.metric_name.startswith("val_")  # NeMo-RL's val:<name>, mapped
+    assert main(["check", path, *overrides]) == 0
+    assert f"a valid {_kind(path).upper()} config" in capsys.readouterr().out
+    assert os.listdir(tmp_path) == []
+
+
+def test_grpo_math_1b_without_the_overrides_names_what_is_refused_and_why():
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(CONFIGS, "grpo_math_1B.yaml"))
+    text = str(err.value)
+    for needle in ("grpo.max_num_epochs: not implemented yet", "data.train: NeMo-RL's dataset sections name hub datasets",
+                   "data.train_path=FILE", "env.math"):
+        assert needle in text
+    assert "unknown key" not in text  # every key has a fate
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg: Megatron-Core training is not available here"),
+        ("grpo.overlong_filtering=true", "grpo.overlong_filtering: overlong filtering is not implemented"),
+        ("grpo.advantage_clip_low=-1.0", "grpo.advantage_clip_low"),
+        ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dropout_position"),  # post, dropout>0
+        ("grpo.adv_estimator.normalize_rewards=false", "grpo.adv_estimator.normalize_rewards: False disagrees with "
+                                                       "grpo.normalize_rewards (True)"),
+        ("checkpointing.model_save_format=torch_save", "checkpoints are safetensors"),
+    ],
+)
+def test_a_value_that_turns_on_what_is_not_built_is_refused_by_name(override, needle):
+    path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
+    extra = ["policy.dtensor_cfg.lora_cfg.dropout=0.1"] if "lora" in override else []
+    with pytest.raises(ConfigError) as err:
+        load_config(path, COMMON + BY_KIND["grpo"] + [override] + extra)
+    assert needle in str(err.value)
+
+
+def test_mapped_keys_take_effect_here():
+    data = {"grpo": {"normalize_rewards": True, "adv_estimator": {"use_leave_one_out_baseline": False}},
+            "checkpointing": {"metric_name": "val:validation-default_loss", "checkpoint_dir": "results/x"},
+            "policy": {"generation": {"vllm_kwargs": {"enforce_eager": True}}}}
+    out = translate(data)
+    assert out.errors == []
+    assert out.data["grpo"] == {"normalize_rewards": True, "adv_estimator": {}, "use_leave_one_out_baseline": False}
+    assert out.data["checkpointing"] == {"metric_name": "val_loss"}  # the run's layout holds its checkpoints
+    assert out.data["policy"]["generation"] == {"vllm_cfg": {"llm_kwargs": {"enforce_eager": True}}}
+    assert {k for k, _ in out.fates["mapped"]} == {"grpo.adv_estimator.use_leave_one_out_baseline", "checkpointing.metric_name",
+                                                   "checkpointing.checkpoint_dir", "policy.generation.vllm_kwargs"}
+
+
+def test_nemo_rls_scheduler_list_is_torchs_sequential_lr(tmp_path):
+    import torch
+
+    cfg = load_config(os.path.join(CONFIGS, "dpo.yaml"), COMMON + BY_KIND["dpo"])
+    sched = cfg.policy.scheduler
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref = torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, end_factor=1.0, total_iters=20),
+              torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=10000000000)], milestones=[20])
+    expected = []
+    for _ in range(40):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        ref.step()
+    assert [sched.factor(i) for i in range(40)] == pytest.approx(expected, rel=1e-12)
+    assert sched.factor(0) == pytest.approx(0.1) and sched.factor(39) == 1.0
+
+
+@pytest.mark.parametrize("section, needle", [("rm", "reward-model training"), ("distillation", "on-policy distillation"),
+                                             ("ppo", "PPO with a value model")])
+def test_configs_of_algorithms_not_built_here_are_refused_naming_what_is_missing(section, needle, tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"defaults: {os.path.join(CONFIGS, 'grpo_math_1B.yaml')}\n{section}: {{max_num_steps: 2}}\n")
+    assert main(["check", str(path), *COMMON, *BY_KIND["grpo"]]) == 2
+    err = capsys.readouterr().err
+    assert f"{section}: {needle}" in err and "not implemented yet" in err
