@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, get_args
 from pydantic import BaseModel
 
 from flows.config.compose import compose_file, resolve_interpolations
+from flows.config.nemo_rl_data import KEY_FATES, map_datasets
 from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["RULES", "Fate", "Rule", "Translation", "leaf_keys", "rule_for", "translate"]
@@ -96,9 +97,8 @@ def _metric_name(value: Any) -> Any:
 
 
 _GPU_ENV = ("PYTORCH_CUDA_", "CUDA_", "NCCL_", "NVTE_", "TORCH_NCCL_")
-_HUB_DATA = ("NeMo-RL's dataset sections name hub datasets, which cannot be downloaded here; give a local file "
-             "instead: `data.train=null data.validation=null data.default=null data.train_path=FILE` "
-             "(and `data.val_path=FILE`), see docs/nemo_rl_keys.md")
+_HUB_DATA = ("a local ResponseDataset / BinaryPreferenceDataset file is `data.dataset: file`, `data.train_path` and the "
+             "row keys (flows/config/nemo_rl_data.py); a hub dataset is refused with the override that works")
 _PER_ALGO_EPOCHS = ("not implemented yet: a run's length is `{a}.max_num_steps` here; set `{a}.max_num_epochs=null` "
                     "(NeMo-RL stops at the fewer of the two)")
 
@@ -203,9 +203,9 @@ RULES: tuple[Rule, ...] = (
     Rule("policy.generation.vllm_cfg.zmq_refit_server_port", "ignored", "a ZeroMQ refit transport, not used"),
     Rule("policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", "ignored", "multimodal encoders only"),
     # ---- data, env
-    Rule("data.train", "refused", _HUB_DATA, OFF_NULL),
-    Rule("data.validation", "refused", "see data.train", OFF_NULL),
-    Rule("data.default", "refused", "see data.train", OFF_NULL),
+    Rule("data.train", "mapped", _HUB_DATA),
+    Rule("data.validation", "refused", "a validation file without `data.train` (give both, or `data.val_path`)", OFF_NULL),
+    Rule("data.default", "mapped", "the keys `data.train` and `data.validation` lack"),
     Rule("data.num_workers", "ignored", "data-loader processes"),
     Rule("data.use_multiple_dataloader", "refused", "several data loaders are not implemented", OFF_FALSE),
     Rule("data.add_bos", "mapped", "a row starts as the tokenizer's chat template starts it"),
@@ -303,6 +303,7 @@ def translate(data: Mapping[str, Any]) -> Translation:
     """``data`` (a resolved config) with every rule applied: keys honoured as off and ignored keys
     removed, mapped keys moved or converted, refused keys listed in ``errors`` (``key: why``)."""
     out = Translation(copy.deepcopy(dict(data)))
+    out.fates["mapped"] += map_datasets(out.data, _get(out.data, "env.reward_fn")[1], out.errors)
     for rule in RULES:
         present, value = _get(out.data, rule.key)
         if not present:
@@ -342,6 +343,8 @@ def leaf_keys(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
 def fate_of(key: str, value: Any, schema_keys: set[str]) -> tuple[str, str]:
     """(fate, note) of one leaf ``key`` of a NeMo-RL file: its rule's, or honoured when the
     schema takes it, or ``unknown``."""
+    if key.startswith(("data.train.", "data.validation.", "data.default.")):
+        return KEY_FATES.get(key.rsplit(".", 1)[-1], ("refused", "not read here"))
     rule = rule_for(key)
     if rule is None:
         return ("honoured", "") if key in schema_keys or any(key.startswith(s + ".") for s in schema_keys) else ("unknown", "")

@@ -96,8 +96,8 @@ def test_grpo_math_1b_without_the_overrides_names_what_is_refused_and_why():
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(CONFIGS, "grpo_math_1B.yaml"))
     text = str(err.value)
-    for needle in ("grpo.max_num_epochs: not implemented yet", "data.train: NeMo-RL's dataset sections name hub datasets",
-                   "data.train_path=FILE", "env.math"):
+    for needle in ("grpo.max_num_epochs: not implemented yet", "data.train.dataset_name: 'OpenMathInstruct-2' names a hub "
+                   "dataset", "data.train.dataset_name=ResponseDataset data.train.data_path=FILE", "env.math"):
         assert needle in text
     assert "unknown key" not in text  # every key has a fate
 
@@ -161,3 +161,62 @@ def test_configs_of_algorithms_not_built_here_are_refused_naming_what_is_missing
     assert main(["check", str(path), *COMMON, *BY_KIND["grpo"]]) == 2
     err = capsys.readouterr().err
     assert f"{section}: {needle}" in err and "not implemented yet" in err
+
+
+# ---------------------------------------------------------------------------- NeMo-RL's dataset sections
+def _jsonl(path, rows) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _local_data(kind: str, tmp_path) -> list[str]:
+    """Overrides giving ``kind``'s NeMo-RL file local datasets in NeMo-RL's own keys (issue 42, item 5)."""
+    if kind == "dpo":
+        rows = [{"prompt": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(8)]
+        train, val = _jsonl(tmp_path / "pairs.jsonl", rows), _jsonl(tmp_path / "pairs_val.jsonl", rows[:4])
+        return ["data.train.dataset_name=BinaryPreferenceDataset", f"data.train.data_path={train}",
+                "data.validation.dataset_name=BinaryPreferenceDataset", f"data.validation.data_path={val}"]
+    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(8)]
+    train, val = _jsonl(tmp_path / "qa.jsonl", rows), _jsonl(tmp_path / "qa_val.jsonl", rows[:4])
+    keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={train}", "data.train.input_key=question",
+            "data.train.output_key=solution", "data.validation.dataset_name=ResponseDataset",
+            f"data.validation.data_path={val}", "data.validation.input_key=question", "data.validation.output_key=solution"]
+    keys += ["data.train.split_validation_size=0", "data.validation.repeat=null"]
+    if kind == "grpo":
+        keys += ["data.default.prompt_file=null", "data.default.env_name=null"]
+    return keys
+
+
+@pytest.mark.parametrize("path", FILES, ids=os.path.basename)
+def test_local_datasets_in_nemo_rls_keys_map_to_the_file_reader(path, tmp_path, monkeypatch):
+    kind = _kind(path)
+    monkeypatch.chdir(tmp_path)
+    overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    overrides += [o for o in BY_KIND[kind] if not o.startswith("logger.")] + _local_data(kind, tmp_path)
+    cfg = load_config(path, overrides)
+    assert (cfg.data.dataset, os.path.basename(cfg.data.train_path), os.path.basename(cfg.data.val_path)) == (
+        "file", "pairs.jsonl" if kind == "dpo" else "qa.jsonl", "pairs_val.jsonl" if kind == "dpo" else "qa_val.jsonl")
+    if kind != "dpo":
+        assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "solution")
+    assert main(["check", path, *overrides]) == 0  # the preflight reads both files
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("data.train.dataset_name=squad", "data.train.dataset_name: 'squad' names a hub dataset"),
+        ("data.train.split_validation_size=0.05", "data.train.split_validation_size: splitting"),
+        ("data.default.env_name=math", "data.default.env_name: NeMo-RL's math environment scores with math-verify"),
+        ("data.default.prompt_file=cot.txt", "data.train.prompt_file: prompt files are not read yet"),
+        ("data.validation.input_key=q", "data.validation: prompt_key differ from data.train's"),
+        ("data.validation.repeat=16", "data.validation.repeat: repeating the validation set is not implemented"),
+    ],
+)
+def test_what_the_file_reader_cannot_honour_is_refused_with_the_override_that_works(override, needle, tmp_path):
+    path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
+    overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides + BY_KIND["grpo"] + _local_data("grpo", tmp_path) + [override])
+    assert needle in str(err.value)

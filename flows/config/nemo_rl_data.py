@@ -1,0 +1,131 @@
+"""NeMo-RL's dataset sections (``data.train``, ``data.validation``, ``data.default``) as this project's ``data`` keys.
+
+NeMo-RL names a dataset per split, each item's missing keys taken from ``data.default``::
+
+    data:
+      train: {dataset_name: ResponseDataset, data_path: train.jsonl, input_key: question, output_key: answer}
+      validation: {data_path: val.jsonl}
+      default: {prompt_file: null, system_prompt_file: null, processor: math_hf_data_processor, env_name: math}
+
+Local files map to ``data.dataset: file`` with ``data.train_path`` / ``data.val_path``:
+
+- ``ResponseDataset`` (rows of ``input_key``/``output_key``, default ``input``/``output``): the
+  prompt and answer keys (``data.prompt_key``/``data.answer_key``); an SFT run also reads chat
+  ``messages`` rows from it;
+- ``BinaryPreferenceDataset`` (``prompt_key``, ``chosen_key``, ``rejected_key``): DPO's pairs;
+  this project's pair reader takes the columns ``chosen`` and ``rejected`` by those names.
+
+Refused by name: a hub dataset (any other ``dataset_name``: nothing is downloaded here; the error
+gives the override that works), several datasets, ``split_validation_size`` > 0 (give
+``data.validation``), a ``prompt_file`` / ``system_prompt_file`` (not read yet), and
+``env_name: math`` unless ``env.reward_fn`` names a scorer (NeMo-RL scores with math-verify; the
+built-in scorer compares the first integer). ``processor`` maps to the algorithm's own row reader;
+``split``, ``subset`` and the split ``seed`` only apply to hub datasets and splitting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = ["KEY_FATES", "map_datasets"]
+
+_RESPONSE, _PAIRS = "ResponseDataset", "BinaryPreferenceDataset"
+_HUB_ONLY = ("split", "subset", "seed", "processor")  # no effect on a local file without splitting
+_KNOWN = {"repeat", "dataset_name", "data_path", "input_key", "output_key", "prompt_key", "chosen_key", "rejected_key",
+          "split_validation_size", "prompt_file", "system_prompt_file", "env_name", *_HUB_ONLY}
+
+
+KEY_FATES: dict[str, tuple[str, str]] = {
+    "dataset_name": ("mapped", f"{_RESPONSE} / {_PAIRS} (a local file): `data.dataset: file`; a hub dataset is refused "
+                               "with the override that works"),
+    "data_path": ("mapped", "`data.train_path` / `data.val_path`"),
+    "input_key": ("mapped", "`data.prompt_key`"),
+    "output_key": ("mapped", "`data.answer_key`"),
+    "prompt_key": ("mapped", "`data.prompt_key`"),
+    "chosen_key": ("honoured when 'chosen', else refused", "the pair reader's column"),
+    "rejected_key": ("honoured when 'rejected', else refused", "the pair reader's column"),
+    "split_validation_size": ("honoured when 0 or null, else refused", "splitting is not implemented: give data.validation"),
+    "prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
+    "system_prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
+    "env_name": ("honoured when null, else refused", "`math` needs `env.reward_fn` (NeMo-RL scores with math-verify)"),
+    **{k: ("ignored", "applies to hub datasets and splitting only") for k in ("split", "subset", "seed")},
+    "processor": ("mapped", "the algorithm's own row reader"),
+    "repeat": ("honoured when 1 or null, else refused", "validation rows are not repeated"),
+}
+"""The fate of each key of a NeMo-RL dataset item (for the key table); any other key is refused."""
+
+
+def _hub_error(where: str, name: Any) -> str:
+    if name is None:
+        return f"{where}.dataset_name is not set (in it or in data.default): {_RESPONSE} or {_PAIRS} with a data_path"
+    return (f"{where}.dataset_name: {name!r} names a hub dataset, which cannot be downloaded here; give a local file: "
+            f"`{where}.dataset_name={_RESPONSE} {where}.data_path=FILE` ({_PAIRS} for DPO pairs), "
+            f"or `data.train=null data.validation=null data.default=null data.train_path=FILE`")
+
+
+def _one(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, Any] | None:
+    """Our ``data`` keys for one split's merged spec, or ``None`` (errors appended)."""
+    name = spec.get("dataset_name")
+    if name not in (_RESPONSE, _PAIRS):
+        errors.append(_hub_error(where, name))
+        return None
+    bad = sorted(k for k in set(spec) - _KNOWN if spec[k] is not None)
+    if bad:
+        errors.append(f"{where}: {', '.join(bad)}: not read here (keys of {name}: {', '.join(sorted(_KNOWN))})")
+    if not spec.get("data_path"):
+        errors.append(f"{where}.data_path: a local JSONL/Parquet/Arrow file is required for {name}")
+    if spec.get("repeat") not in (None, 1):
+        errors.append(f"{where}.repeat: repeating the validation set is not implemented (`nrl eval --num-samples K` "
+                      f"samples K responses per prompt); set `{where}.repeat=1`")
+    if spec.get("split_validation_size"):
+        errors.append(f"{where}.split_validation_size: splitting a validation set off the train file is not implemented; "
+                      f"give `data.validation.data_path=FILE` and `{where}.split_validation_size=0`")
+    for key in ("prompt_file", "system_prompt_file"):
+        if spec.get(key) is not None:
+            errors.append(f"{where}.{key}: prompt files are not read yet (`data.prompt_template`, `data.system_prompt` "
+                          f"are this project's); set `data.default.{key}=null`")
+    if name == _PAIRS:
+        for key, ours in (("chosen_key", "chosen"), ("rejected_key", "rejected")):
+            if spec.get(key, ours) != ours:
+                errors.append(f"{where}.{key}: the pair reader takes the column {ours!r} (got {spec[key]!r})")
+        keys = {"prompt_key": spec.get("prompt_key", "prompt")}
+    else:
+        keys = {"prompt_key": spec.get("input_key", "input"), "answer_key": spec.get("output_key", "output")}
+    return {"path": spec.get("data_path"), **keys}
+
+
+def map_datasets(data: dict[str, Any], env_reward_fn: Any, errors: list[str]) -> list[tuple[str, str]]:
+    """Replace ``data.train``/``validation``/``default`` in ``data`` (a config's data, changed in
+    place) by ``data.dataset: file`` and its keys; returns the ``(key, how)`` pairs mapped.
+    Nothing is done when ``data.train`` is absent or null (the rules of :mod:`flows.config.nemo_rl`
+    then decide ``data.validation`` / ``data.default``)."""
+    section = data.get("data")
+    if not isinstance(section, dict) or section.get("train") is None:
+        return []
+    default = section.pop("default", None) or {}
+    train, val = section.pop("train"), section.pop("validation", None)
+    if isinstance(train, list) or isinstance(val, list) or not isinstance(train, Mapping):
+        errors.append("data.train: several datasets (a list) are not implemented; give one local file")
+        return []
+    env_name = {**default, **train}.get("env_name")
+    if env_name not in (None, "math"):
+        errors.append(f"data.default.env_name: {env_name!r} is not an environment here (set `env.environment` to a plug-in)")
+    elif env_name == "math" and env_reward_fn is None:
+        errors.append("data.default.env_name: NeMo-RL's math environment scores with math-verify, which is not here: set "
+                      "`env.reward_fn=package.module:function` (a math verifier), or `data.default.env_name=null` for the "
+                      "built-in scorer (the response's first integer against the answer)")
+    mapped = []
+    ours = _one("data.train", {**default, **train}, errors)
+    if ours is not None:
+        section.update(dataset="file", train_path=ours.pop("path"), **ours)
+        mapped.append(("data.train", f"data.dataset=file, data.train_path, {', '.join(f'data.{k}' for k in ours)}"))
+    if isinstance(val, Mapping):
+        vals = _one("data.validation", {**default, **val}, errors)
+        if vals is not None:
+            path = vals.pop("path")
+            clash = [k for k, v in vals.items() if ours is not None and section.get(k) != v]
+            if clash:
+                errors.append(f"data.validation: {', '.join(clash)} differ from data.train's (one reader reads both files)")
+            section["val_path"] = path
+            mapped.append(("data.validation", "data.val_path"))
+    return mapped
