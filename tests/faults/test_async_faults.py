@@ -85,7 +85,8 @@ def test_async_flow_killed_during_step_3_resumes_bit_identical(tmp_path, prefect
     _kill_and_resume("train@3:during", "async-kill-train3", tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run)
 
 
-@pytest.mark.parametrize("kill_at", ["generate@4:during", "refit@2:during", "checkpoint@4:during", "logprob@3:before"])
+# logprob kills: the synchronous kill matrix (same stage code); here the stages async GRPO overlaps
+@pytest.mark.parametrize("kill_at", ["generate@4:during", "refit@2:during", "checkpoint@4:during"])
 def test_async_flow_killed_then_resumed(kill_at, tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run):
     run_id = "async-kill-" + kill_at.replace("@", "-").replace(":", "-")
     _kill_and_resume(kill_at, run_id, tmp_path, prefect_harness, ray_session, tiny_model_dir, async_run)

@@ -33,7 +33,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-@pytest.mark.parametrize("point", ["train@2:during", "checkpoint@2:before", "generate@3:before"])
+@pytest.mark.parametrize("point", ["train@2:during", "checkpoint@2:before"])  # a stage batch (train's) and a checkpoint
 def test_disk_full_mid_run_then_resume_is_bit_identical(point, small_disk, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path):
     root = os.path.join(small_disk, "runs")
     run_id = "full-" + point.split("@")[0]
