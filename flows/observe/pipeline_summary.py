@@ -1,8 +1,9 @@
 """The post-training pipeline's summary artifact (``nrl-<pipeline_id>-summary``, :mod:`flows.pipeline`).
 
-One table row per stage (its algorithm, run, status, the model it started from, its final
-checkpoint, its gate and whether it held, a link to the stage run's own summary in the Prefect
-UI), then each run stage's curve (its algorithm's summary fields: GRPO's reward, DPO's pair
+One table row per stage (its algorithm, run, status, its gate and whether it held, a link to the
+stage run's own summary in the Prefect UI), the model each stage started from and its final
+checkpoint (below the table: paths are long, the table must fit the UI's column), then each run
+stage's curve (its algorithm's summary fields: GRPO's reward, DPO's pair
 accuracy, SFT's loss, with the held-out figure as dots). Updated in place after every stage.
 """
 
@@ -26,6 +27,12 @@ def _cell(value: Any) -> str:
     return "-" if value in (None, "") else str(value).replace("|", "/")
 
 
+def _below(path: Any, root: str) -> Any:
+    """``path`` relative to the storage ``root`` (named once above the table), so the table fits the UI."""
+    prefix = root.rstrip("/") + "/"
+    return path[len(prefix):] if isinstance(path, str) and path.startswith(prefix) else path
+
+
 def _gate(entry: Mapping[str, Any] | None) -> str:
     gate = (entry or {}).get("gate")
     if not gate:
@@ -44,8 +51,8 @@ def pipeline_markdown(pipeline_id: str, plans: Sequence[Mapping[str, Any]], stat
     lines = [f"# Pipeline `{pipeline_id}`: {done} of {len(plans)} stage(s) done ({status})", ""]
     if state.get("message"):
         lines += [f"**{state['message']}**", ""]
-    lines += ["| # | stage | algorithm | run | status | starts from | final checkpoint | gate | summary |",
-              "|---:|---|---|---|---|---|---|---|---|"]
+    lines += ["| # | stage | run | status | gate | summary |", "|---:|---|---|---|---|---|"]
+    models = []
     for i, p in enumerate(plans, 1):
         s = p["stage"]
         entry = stages.get(s.name)
@@ -59,9 +66,12 @@ def pipeline_markdown(pipeline_id: str, plans: Sequence[Mapping[str, Any]], stat
         figures = (entry or {}).get("figures")
         if figures:
             shown_status += " " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(figures.items()) if k in ("accuracy", "pass_at_k"))
-        lines.append(f"| {i} | {s.name} | {kind} | `{_cell(run_id)}` | {_cell(shown_status)} | "
-                     f"`{_cell(p.get('start_model') if s.eval is None else None)}` | "
-                     f"`{_cell((entry or {}).get('final_checkpoint') or (entry or {}).get('checkpoint'))}` | {_gate(entry)} | {link} |")
+        lines.append(f"| {i} | {s.name} ({kind}) | `{_cell(run_id)}` | {_cell(shown_status)} | {_gate(entry)} | {link} |")
+        start = _below(p.get("start_model"), root) if s.eval is None else None
+        final = _below((entry or {}).get("final_checkpoint") or (entry or {}).get("checkpoint"), root)
+        models.append(f"{i}. {s.name}: evaluated `{_cell(final)}`" if s.eval is not None
+                      else f"{i}. {s.name}: from `{_cell(start)}`, final checkpoint `{_cell(final)}`")
+    lines += ["", f"Models (paths below the storage root `{root}`):", "", *models]
     for p in plans:
         s = p["stage"]
         if s.eval is not None or s.name not in stages:
