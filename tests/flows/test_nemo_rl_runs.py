@@ -21,6 +21,7 @@ def test_nemo_rls_file_trains_two_steps_with_only_its_own_key_paths(name, prefec
     overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
     overrides += [o for o in BY_KIND[kind] if not o.startswith("logger.")] + _local_data(kind, tmp_path)
     root = str(tmp_path / "runs")
+    overrides.append(f"logger.log_dir={tmp_path / 'logs'}")  # sft.yaml turns TensorBoard on: not into the checkout
     proc = run_nrl(["train", "--config", os.path.join(CONFIGS, name), *overrides, "--storage", root, "--run-id", "nemo"],
                    prefect_harness, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
