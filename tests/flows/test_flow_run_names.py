@@ -36,6 +36,7 @@ def test_resume_hints_name_the_cli_or_the_deployment_parameters():
     assert resume_command("r1") == "`nrl resume r1`"  # outside a deployment's flow run: the CLI
 
 
+@pytest.mark.slow  # four nrl processes: in the slow suite (keeps make test under 10 minutes)
 def test_start_refusal_extension_and_resume_have_their_own_names_and_the_run_tag(tmp_path, prefect_harness, ray_session,
                                                                                    tiny_model_dir):
     from flows.algorithms.grpo import grpo

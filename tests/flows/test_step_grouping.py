@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
+
 from tests.fixtures.grpo_runs import tiny_run_config
 
 RUN_ID = "grouped40"
@@ -38,6 +40,7 @@ def _server_view(run_id: str) -> tuple[list, list, list]:
     return list(runs.values()), arts, logs
 
 
+@pytest.mark.slow  # a 40-step run with an injected fault: in the slow suite (keeps make test under 10 minutes)
 def test_forty_steps_leave_few_flow_runs_and_artifacts(tmp_path, prefect_harness, ray_session, tiny_model_dir):
     from flows.algorithms.grpo import grpo
     from flows.observe.metrics import read_metrics
