@@ -23,7 +23,7 @@ sections only, and a deeper marker would reach its config as a key).
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -109,23 +109,14 @@ def _compose(path: str, chain: tuple[str, ...]) -> dict[str, Any]:
     return merge(base, data)
 
 
-def _has_interpolation(value: Any) -> bool:
+def _any_string(value: Any, test: Callable[[str], bool]) -> bool:
+    """Whether ``test`` holds for a string anywhere in ``value`` (mappings and lists walked)."""
     if isinstance(value, str):
-        return "${" in value
+        return test(value)
     if isinstance(value, Mapping):
-        return any(_has_interpolation(v) for v in value.values())
+        return any(_any_string(v, test) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_has_interpolation(v) for v in value)
-    return False
-
-
-def _has_missing(value: Any) -> bool:
-    if isinstance(value, str):
-        return value == "???"
-    if isinstance(value, Mapping):
-        return any(_has_missing(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_missing(v) for v in value)
+        return any(_any_string(v, test) for v in value)
     return False
 
 
@@ -135,7 +126,7 @@ def resolve_interpolations(data: dict[str, Any], source: str) -> dict[str, Any]:
     ``ConfigError`` naming ``source`` and the key for a reference to a missing key, a ``???``
     left unset, a resolver's error or a reference cycle.
     """
-    if not (_has_interpolation(data) or _has_missing(data)):
+    if not _any_string(data, lambda v: "${" in v or v == "???"):
         return data
     try:
         conf = OmegaConf.create(data)

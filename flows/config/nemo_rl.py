@@ -309,8 +309,9 @@ def translate(data: Mapping[str, Any]) -> Translation:
         if not present:
             continue
         if rule.convert is not None:
-            _put(out.data, rule.key, rule.convert(value))
-            if rule.convert(value) != value:
+            converted = rule.convert(value)
+            _put(out.data, rule.key, converted)
+            if converted != value:
                 out.fates["mapped"].append((rule.key, rule.why))
             continue
         _pop(out.data, rule.key)
@@ -340,7 +341,7 @@ def leaf_keys(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
             yield key
 
 
-def fate_of(key: str, value: Any, schema_keys: set[str]) -> tuple[str, str]:
+def fate_of(key: str, schema_keys: set[str]) -> tuple[str, str]:
     """(fate, note) of one leaf ``key`` of a NeMo-RL file: its rule's, or honoured when the
     schema takes it, or ``unknown``."""
     if key.startswith(("data.train.", "data.validation.", "data.default.")):
@@ -381,8 +382,7 @@ def key_table(files: Mapping[str, Mapping[str, Any]]) -> str:
     rows: dict[str, tuple[str, str, list[str]]] = {}
     for name, data in files.items():
         for key in leaf_keys(data):
-            _, value = _get(data, key)
-            fate, note = fate_of(key, value, known)
+            fate, note = fate_of(key, known)
             rows.setdefault(key, (fate, note, []))[2].append(name)
     lines = ["| key | fate | how / why | in |", "|---|---|---|---|"]
     for key in sorted(rows):

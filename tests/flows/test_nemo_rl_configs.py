@@ -64,7 +64,7 @@ def test_the_tested_files_are_nemo_rls_own_with_their_source():
 def test_every_key_of_nemo_rls_files_has_a_fate(path):
     known = schema_keys()
     data = _resolved(path)
-    undecided = [k for k in leaf_keys(data) if fate_of(k, None, known)[0] == "unknown"]
+    undecided = [k for k in leaf_keys(data) if fate_of(k, known)[0] == "unknown"]
     assert undecided == []
 
 
