@@ -104,8 +104,8 @@ ACTOR_CALLS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 #: Calls short enough on a tiny model (one packed chunk: a few ms) that polling the stack can miss
-#: them under load: the watcher also swaps the module attribute (looked up at call time by the
-#: workers) for a tripwire that strikes as the call is entered. ``name -> module``.
+#: them under load: the watcher also swaps the function, in its module and wherever it was
+#: imported by name, for a tripwire that strikes as the call is entered. ``name -> module``.
 TRIPWIRES: dict[str, str] = {
     "packed_broadcast_consumer": "nrl_tasks.utils.packed_tensor",
     "packed_broadcast_producer": "nrl_tasks.utils.packed_tensor",
@@ -193,15 +193,18 @@ def _set_tripwires(names: Sequence[str], how: str) -> list[tuple[Any, str, Any]]
     for name in names:
         if name not in TRIPWIRES:
             continue
-        module = importlib.import_module(TRIPWIRES[name])
-        original = getattr(module, name)
+        original = getattr(importlib.import_module(TRIPWIRES[name]), name)
 
         def tripwire(*args: Any, **kwargs: Any) -> Any:
             _strike(how)
 
         tripwire.__name__ = tripwire.__qualname__ = name
-        setattr(module, name, tripwire)
-        undo.append((module, name, original))
+        # the defining module and every module that imported the function by name
+        # (``from ... import name`` binds it at import time, so both must be swapped)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__dict__", {}).get(name) is original:
+                setattr(module, name, tripwire)
+                undo.append((module, name, original))
     return undo
 
 
