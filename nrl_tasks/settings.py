@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.settings import StorageSettings
@@ -105,6 +105,26 @@ class NrlSettings(BaseSettings):
         description="alternating buffers of a packed broadcast (broadcasts in flight per side)",
     )
 
+    @field_validator("model_cache")
+    @classmethod
+    def _cache_is_a_folder(cls, value: str | None) -> str | None:
+        if value and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
+            raise ValueError("is not a folder (it names a file); point it at a directory, or unset it")
+        return value
+
+    @field_validator("node_ip")
+    @classmethod
+    def _an_ip_address(cls, value: str | None) -> str | None:
+        import ipaddress
+
+        if value is not None:
+            try:
+                ipaddress.ip_address(value.strip())
+            except ValueError:
+                raise ValueError("is not an IP address (other nodes connect to this one at it)") from None
+            return value.strip()
+        return value
+
     def model_cache_dir(self) -> str:
         """``model_cache``, else :data:`DEFAULT_MODEL_CACHE` (expanded)."""
         return self.model_cache or os.path.expanduser(DEFAULT_MODEL_CACHE)
@@ -147,7 +167,8 @@ def settings_problems() -> list[str]:
         except ValidationError as exc:
             for err in exc.errors():
                 name = ".".join(str(p) for p in err["loc"])
-                out.append(f"environment variable {name}={os.environ.get(name)!r}: {err['msg']}")
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                out.append(f"environment variable {name}={os.environ.get(name)!r}: {msg}")
     return out
 
 

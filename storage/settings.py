@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,7 +36,7 @@ class StorageSettings(BaseSettings):
         case_sensitive=True, env_ignore_empty=True, extra="ignore", populate_by_name=True, frozen=True
     )
 
-    checksum: str | None = Field(
+    checksum: Literal["xxh3-128", "crc32", "blake2b-128"] | None = Field(
         None,
         validation_alias="NRL_STORAGE_CHECKSUM",
         description="checksum algorithm of new datasets (xxh3-128, crc32, blake2b-128); "

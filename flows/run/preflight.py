@@ -14,6 +14,7 @@ would make the same ``--run-id`` refused).
   folder (:func:`check_model_path`);
 - the run's data, as its algorithm reads it (its recipe's ``check_data``): GRPO's prompt files
   (``data.train_path``, ``data.val_path`` when validation reads it, :func:`check_prompt_files`);
+  prompts over the token budget, with the run's tokenizer when it loads from this machine;
   DPO's preference pairs (a resume's frozen snapshot is not checked again); SFT's rows;
 - a local Ray (no ``cluster.ray.address`` / ``RAY_ADDRESS``) is sized to this machine:
   :func:`flows.run.ray_session.check_local_ray_size`.
@@ -24,16 +25,18 @@ The flow checks the same things again where it uses them (a deployment run skips
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from flows.config import MasterConfig
 from flows.run.plugins import load_observers
 from flows.run.ray_session import check_local_ray_size
+from flows.run.runtime import load_tokenizer
 from nrl_tasks.environments.loading import make_environment
 from nrl_tasks.environments.rewards import load_reward_fn
 from nrl_tasks.models.builtin import is_builtin, is_known_builtin, resolve_model_path
 from nrl_tasks.models.policy.workers.lora import check_lora_targets
 from nrl_tasks.run_layout import RunLayout
-from nrl_tasks.stages.data import load_prompt_records
+from nrl_tasks.stages.data import check_prompt_lengths, load_prompt_records
 
 __all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins", "check_prompt_files", "check_reward_fn", "preflight"]
 
@@ -123,9 +126,11 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None, *,
 
 def check_prompt_files(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``data.train_path`` / ``data.val_path`` (GRPO's prompt files) when one
-    does not read, or the train split is empty."""
+    does not read, the train split is empty, or a prompt is longer than the token budget (with
+    ``data.overlong_prompts: reject``; the run's tokenizer, when it loads from this machine)."""
 
     opts = cfg.storage.storage_options or None
+    tokenizer = None
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])
     for split in splits:
         try:
@@ -135,3 +140,17 @@ def check_prompt_files(cfg: MasterConfig) -> None:
             raise ValueError(f"{key}: {exc}") from None
         if split == "train" and not records:
             raise ValueError(f"data: the train split has no prompts ({cfg.data.train_path or 'arithmetic'})")
+        if tokenizer is None:
+            tokenizer = _local_tokenizer(cfg)
+        if tokenizer is not None:  # over-long prompts: refused now, not inside the flow with a run directory written
+            src = getattr(cfg.data, f"{split}_path", None) or f"{cfg.data.dataset} {split} split"
+            check_prompt_lengths(records, cfg.data, tokenizer, cfg.max_prompt_tokens(), source=src)
+
+
+def _local_tokenizer(cfg: MasterConfig) -> Any:
+    """The run's tokenizer when it loads from this machine (a built-in or local model, or one in
+    the hub's cache), else None: the flow checks the prompts again when it has the tokenizer."""
+    try:
+        return load_tokenizer(cfg)
+    except Exception:  # noqa: BLE001 - not loadable without the network: the flow's check stands
+        return None

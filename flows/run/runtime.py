@@ -169,7 +169,9 @@ class Runtime:
         if env.environment is None or self.environment is not None:
             return
 
-        self.environment = EnvironmentWorkers(env.environment, env.environment_kwargs, env.num_workers, namespace=self.namespace)
+        self.environment = EnvironmentWorkers(
+            env.environment, env.environment_kwargs, env.num_workers, namespace=self.namespace, step_timeout_s=env.step_timeout_s,
+        )
 
     def stop_environment(self) -> None:
         """Kill the environment's actors (idempotent; the next flow process makes its own)."""

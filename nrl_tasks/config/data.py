@@ -117,6 +117,10 @@ class EnvConfig(Section):
     )
     environment_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the environment class")
     num_workers: int = Field(1, ge=1, le=1024, description="Ray actors running the environment, <= 1024")
+    step_timeout_s: float | None = Field(
+        600.0, gt=0, description="longest wait (s) for one env.environment step() call of the batch; "
+        "past it the environment's actors are replaced and the stage fails naming the environment (null: no limit)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":

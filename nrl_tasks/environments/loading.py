@@ -21,7 +21,7 @@ from nrl_tasks.environments.interfaces import (
 )
 from nrl_tasks.utils.import_path import import_attribute
 
-__all__ = ["BUILTIN", "EnvironmentWorkers", "environment_class", "initial_stop_strings", "make_environment"]
+__all__ = ["BUILTIN", "EnvironmentDiedError", "EnvironmentTimeoutError", "EnvironmentWorkers", "environment_class", "initial_stop_strings", "make_environment"]
 
 #: built-in environments by name
 BUILTIN: dict[str, str] = {
@@ -77,19 +77,41 @@ class _EnvironmentActor:
         return True
 
     def step(self, message_logs: list[MessageLog], metadata: list[dict[str, Any] | None]) -> tuple:
-        return tuple(self.env.step(message_logs, metadata))
+        try:
+            return tuple(self.env.step(message_logs, metadata))
+        except SystemExit as exc:  # would end the actor (Ray: an intended exit), then look like an actor fault
+            raise RuntimeError(
+                f"step() called sys.exit({exc.code!r}): an environment reports a bad episode in what it returns, "
+                "or raises"
+            ) from None
 
     def post_process(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         return self.env.global_post_process_and_metrics(batch)
 
 
-class EnvironmentWorkers:
-    """``num_workers`` Ray actors running environment ``spec`` (see the module docstring)."""
+class EnvironmentDiedError(RuntimeError):
+    """An environment actor's process ended inside ``step()`` (``os._exit``, a crash, the OOM
+    killer): an actor fault (it wraps Ray's ``RayActorError``, so the stage is retried on fresh
+    actors) whose message names the environment."""
 
-    def __init__(self, spec: str, kwargs: dict[str, Any] | None, num_workers: int = 1, *, namespace: str | None = None) -> None:
+
+class EnvironmentTimeoutError(RuntimeError):
+    """A ``step()`` call took longer than ``env.step_timeout_s``; the actors were replaced. Not an
+    actor fault: a step that hangs on these episodes hangs again on a retry."""
+
+
+class EnvironmentWorkers:
+    """``num_workers`` Ray actors running environment ``spec`` (see the module docstring);
+    ``step_timeout_s``: the longest wait for one batch's ``step()`` (``env.step_timeout_s``)."""
+
+    def __init__(
+        self, spec: str, kwargs: dict[str, Any] | None, num_workers: int = 1, *, namespace: str | None = None,
+        step_timeout_s: float | None = None,
+    ) -> None:
         import ray
 
         self.spec, self.kwargs, self.namespace, self.num_workers = spec, dict(kwargs or {}), namespace, max(1, num_workers)
+        self.step_timeout_s = step_timeout_s
         self._remote = ray.remote(num_cpus=0)(_EnvironmentActor)  # light: they wait on the environment, not on cores
         self.workers = self._start()
 
@@ -113,14 +135,23 @@ class EnvironmentWorkers:
         k = min(len(self.workers), n)
         bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
         refs = [w.step.remote(message_logs[a:b], metadata[a:b]) for w, (a, b) in zip(self.workers, bounds)]
+        results = None
         try:
-            results = ray.get(refs)
-        except ray.exceptions.RayActorError:  # an actor died (the environment crashed its process):
-            self.shutdown()  # the stage fails on an actor fault; its retry steps on fresh actors
-            self.workers = self._start()
-            raise
+            results = ray.get(refs, timeout=self.step_timeout_s)
+        except ray.exceptions.GetTimeoutError:  # a hung step(): end it with its actors (raised below,
+            self._restart()  # outside this block: chained to Ray's timeout it would count as an actor fault)
+        except ray.exceptions.RayActorError as exc:  # an actor died (the environment crashed its process):
+            self._restart()  # the stage fails on an actor fault; its retry steps on fresh actors
+            raise EnvironmentDiedError(
+                f"environment {self.spec}: its worker process died inside step() (os._exit, a crash or the OOM killer)"
+            ) from exc
         except ray.exceptions.RayTaskError as exc:  # the environment raised: name it, keep its error
             raise RuntimeError(f"environment {self.spec}: step() raised {exc.cause!r}"[:2000]) from exc.cause
+        if results is None:
+            raise EnvironmentTimeoutError(
+                f"environment {self.spec}: step() of {n} episodes did not return within env.step_timeout_s="
+                f"{self.step_timeout_s:g} s (its actors were replaced); fix the environment or raise the limit, then resume"
+            )
         parts = [check_environment_return(out, b - a, self.spec) for out, (a, b) in zip(results, bounds)]
         answers = [x for p in parts for x in (p.answers or [None] * len(p.observations))]
         return EnvironmentReturn(
@@ -128,6 +159,10 @@ class EnvironmentWorkers:
             [s for p in parts for s in p.next_stop_strings], torch.cat([p.rewards for p in parts]),
             torch.cat([p.terminateds for p in parts]), answers,
         )
+
+    def _restart(self) -> None:
+        self.shutdown()
+        self.workers = self._start()
 
     def post_process(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """The environment's ``global_post_process_and_metrics`` (on the first actor)."""

@@ -288,7 +288,10 @@ def _evaluate_claimed(
             from nrl_tasks.environments.loading import EnvironmentWorkers
             from nrl_tasks.stages.multi_turn import episode_runner
 
-            env = EnvironmentWorkers(cfg.env.environment, cfg.env.environment_kwargs, cfg.env.num_workers, namespace=ns)
+            env = EnvironmentWorkers(
+                cfg.env.environment, cfg.env.environment_kwargs, cfg.env.num_workers, namespace=ns,
+                step_timeout_s=cfg.env.step_timeout_s,
+            )
             episodes = episode_runner(cfg, tokenizer, gen, env)
         step = parse_step_dir(checkpoint) or 0
         samples = evaluate_records(

@@ -42,7 +42,7 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.environments.interfaces import Message, MessageLog
 from nrl_tasks.environments.loading import initial_stop_strings
 from nrl_tasks.stages.context import StepContext
-from nrl_tasks.stages.data import clip_text, derive_seed, prompt_messages
+from nrl_tasks.stages.data import clip_text, derive_seed, prompt_messages, text_budget
 
 __all__ = [
     "MultiTurnRollout", "demonstration_tokens", "episode_runner", "first_turns", "multi_turn_rollouts", "observation_suffix",
@@ -158,11 +158,13 @@ class MultiTurnRollout:
                 if bool(out.terminateds[j]):
                     ended[i] = terminated[i] = True
                     continue
-                suffix = self.tokenizer(
-                    observation_suffix(self.tokenizer, out.observations[j], chat_template=self.chat_template, closed_by=closed[j]),
-                    add_special_tokens=False,
-                )["input_ids"]
-                if turn + 1 >= self.max_turns or len(ids[i]) + len(suffix) + self.max_new > self.max_total:
+                room = self.max_total - len(ids[i]) - self.max_new  # tokens the observation may take
+                text = observation_suffix(self.tokenizer, out.observations[j], chat_template=self.chat_template, closed_by=closed[j])
+                # a text longer than text_budget(room) characters has more than `room` tokens: never
+                # tokenised (an environment's 20 MB observation would take minutes and GBs here)
+                fits = turn + 1 < self.max_turns and room >= 0 and len(text) <= text_budget(room)
+                suffix = self.tokenizer(text, add_special_tokens=False)["input_ids"] if fits else []
+                if not fits or len(suffix) > room:
                     ended[i] = True  # by a limit: the next turn would not fit, or there is none
                     continue
                 ids[i] += suffix

@@ -221,3 +221,108 @@ def test_bad_environment_specs_are_config_errors_naming_the_key():
     with pytest.raises(ValueError, match="must be a built-in"):
         make_environment("calculatr")
     assert make_environment("calculator") is not None
+
+
+class HugeObservationEnvironment(CountdownEnvironment):
+    """Answers each turn with a 20 MB observation."""
+
+    def step(self, message_logs, metadata):
+        out = super().step(message_logs, metadata)
+        return out._replace(observations=[{"role": "user", "content": "x" * (20 << 20)} for _ in message_logs])
+
+
+class ExitingEnvironment(CountdownEnvironment):
+    """Calls ``sys.exit`` in ``step``."""
+
+    def step(self, message_logs, metadata):
+        import sys
+
+        sys.exit(3)
+
+
+class HardExitEnvironment(CountdownEnvironment):
+    """Ends its process with ``os._exit`` in ``step``."""
+
+    def step(self, message_logs, metadata):
+        import os
+
+        os._exit(1)
+
+
+class SleepingEnvironment(CountdownEnvironment):
+    """Never returns from ``step`` (sleeps an hour)."""
+
+    def step(self, message_logs, metadata):
+        import time
+
+        time.sleep(3600)
+
+
+class CountingTokenizer:
+    """The real tokenizer; remembers the longest text it was asked to tokenise."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kw):
+        self.longest = max(self.longest, max(map(len, [text] if isinstance(text, str) else text)))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_huge_observation_ends_the_episode_without_being_tokenised(gen, tokenizer):
+    from nrl_tasks.environments.loading import EnvironmentWorkers
+    from nrl_tasks.stages.multi_turn import MultiTurnRollout
+
+    env = EnvironmentWorkers("tests.environments.test_multi_turn:HugeObservationEnvironment", {"turns": 5})
+    tok = CountingTokenizer(tokenizer)
+    try:
+        roll = MultiTurnRollout(gen, env, tok, max_turns=3, max_total_tokens=256, max_new_tokens=6, chat_template=True,
+                                first_stop_strings=None, pad_id=tokenizer.pad_token_id, stop_ids=[tokenizer.eos_token_id])
+        batch, first, rows = _prompts(tokenizer)
+        out = roll.run(batch, first, rows, weights_version=0)
+    finally:
+        env.shutdown()
+    assert out["num_turns"].tolist() == [1] * out.size and out["truncated"].all()
+    assert tok.longest < 100_000, tok.longest  # the 20 MB text was never tokenised
+
+
+def _one_step(spec: str, **kw):
+    from nrl_tasks.environments.loading import EnvironmentWorkers
+
+    env = EnvironmentWorkers(spec, {}, **kw)
+    try:
+        return env.step([[{"role": "user", "content": "hi"}]], [{"prompt": "hi", "answer": "1"}])
+    finally:
+        env.shutdown()
+
+
+def test_an_environment_calling_sys_exit_fails_naming_it_and_is_not_retried(ray_session):
+    from nrl_tasks.stages.errors import describe_error, is_actor_fault
+
+    with pytest.raises(RuntimeError) as ei:
+        _one_step("tests.environments.test_multi_turn:ExitingEnvironment")
+    assert "environment tests.environments.test_multi_turn:ExitingEnvironment" in str(ei.value) and "sys.exit(3)" in str(ei.value)
+    assert not is_actor_fault(ei.value)  # the same episodes exit again: a retry cannot help
+    assert "ExitingEnvironment" in describe_error(ei.value)
+
+
+def test_an_environment_ending_its_process_is_an_actor_fault_naming_it(ray_session):
+    from nrl_tasks.environments.loading import EnvironmentDiedError
+    from nrl_tasks.stages.errors import describe_error, is_actor_fault
+
+    with pytest.raises(EnvironmentDiedError) as ei:
+        _one_step("tests.environments.test_multi_turn:HardExitEnvironment")
+    assert is_actor_fault(ei.value)  # retried on fresh actors, like any dead actor
+    assert "environment tests.environments.test_multi_turn:HardExitEnvironment" in describe_error(ei.value)
+
+
+def test_a_hanging_environment_step_times_out_naming_it_and_the_key(ray_session):
+    from nrl_tasks.environments.loading import EnvironmentTimeoutError
+    from nrl_tasks.stages.errors import is_actor_fault
+
+    with pytest.raises(EnvironmentTimeoutError, match=r"SleepingEnvironment: step\(\) of 1 episodes did not return within env\.step_timeout_s=2 s") as ei:
+        _one_step("tests.environments.test_multi_turn:SleepingEnvironment", step_timeout_s=2.0)
+    assert not is_actor_fault(ei.value)

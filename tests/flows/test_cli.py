@@ -38,6 +38,9 @@ def _count_flow_runs() -> int:
         (["grpo", "--config", TINY_CONFIG, "env.reward_fn=tests.faults.no_such_module:f"], "env.reward_fn"),
         (["grpo", "--config", TINY_CONFIG, "env.reward_fn=tests.faults.reward_plugins:no_such_fn"], "no attribute"),
         (["grpo", "--config", TINY_CONFIG, "data.dataset=file", "data.train_path=/nonexistent/p.jsonl"], "data.train_path"),
+        (["grpo", "--config", TINY_CONFIG, "data.max_input_seq_length=2"], "prompt(s) longer than 2 tokens"),
+        (["grpo", "--config", TINY_CONFIG, "env.environment=calculator", "data.dataset=calculator",
+          "grpo.max_rollout_turns=2", "data.max_input_seq_length=8"], "prompt(s) longer than 8 tokens"),
         (["grpo", "--config", TINY_CONFIG, "env.environment=tests.no_such_module:Env"], "env.environment"),
         (["grpo", "--config", TINY_CONFIG, "env.environment=json:JSONDecoder"], "is not an environment class"),
         (["grpo", "--config", TINY_CONFIG, "env.environment=guess_number", "env.environment_kwargs={decay: 3}"],
@@ -69,6 +72,28 @@ def test_bad_input_starts_nothing(args, needle, prefect_harness, monkeypatch, ca
     assert needle in err, err
     assert err.count("nrl: error:") == 1
     assert started == [] and _count_flow_runs() == before  # no Ray, no flow run
+
+
+@pytest.mark.parametrize(
+    "var, value, needle",
+    [
+        ("NRL_NODE_IP", "not an ip", "is not an IP address"),
+        ("NRL_MODEL_CACHE", __file__, "is not a folder"),
+        ("NRL_STORAGE_CHECKSUM", "md5", "'xxh3-128', 'crc32' or 'blake2b-128'"),
+    ],
+)
+def test_a_bad_setting_is_a_usage_error_naming_it(var, value, needle, tmp_path, monkeypatch, capsys):
+    """A bad ``NRL_*`` value: one line naming the variable, exit 2, no run directory (was: a
+    traceback, or a run that hangs after Ray started)."""
+    from flows.cli import main
+
+    monkeypatch.setenv(var, value)
+    root = tmp_path / "runs"
+    rc = main(["grpo", "--config", TINY_CONFIG, "--storage", str(root), "--run-id", "r1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("nrl: error:") == 1, err
+    assert var in err and needle in err, err
+    assert not (root / "r1").exists()
 
 
 def test_runs_lists_status(e2e_run, capsys):
