@@ -48,6 +48,11 @@ class GRPOConfig(Section):
         description="Prefect retries of a stage that calls actors (generate, logprob, train, checkpoint, "
         "validate) after an actor fault; 0: the first fault fails the run; <= 100",
     )
+    max_steps_without_valid_reward: int = Field(
+        1, ge=0, le=MAX_STEPS,
+        description="consecutive steps whose rewards are all invalid (NaN, inf, raised) that are masked and "
+        "trained past; the next one stops the run naming the reward source (0: the first stops it)",
+    )
     stage_retry_delay_s: list[float] = Field(
         default_factory=lambda: list(DEFAULT_STAGE_RETRY_DELAY_S),
         description="backoff before each stage retry (s, each <= 1 day, at most 50); the last value repeats",

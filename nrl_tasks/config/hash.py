@@ -27,7 +27,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "cluster": {"ray"},
     "storage": True,
     "logger": True,
-    "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s"},
+    "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s", "max_steps_without_valid_reward"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
     "sft": {"max_num_steps"},

@@ -23,6 +23,7 @@ import torch
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
+import storage
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.environments.rewards import DEFAULT_REWARD_FN, load_reward_fn, safe_rewards
 from nrl_tasks.stages.context import StepContext
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import EnvConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["compute_rewards", "environment_rewards", "reward_function", "score"]
+__all__ = ["NoValidRewardError", "check_some_reward_valid", "compute_rewards", "environment_rewards", "reward_function", "score"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +85,37 @@ def environment_rewards(ctx: StepContext, rollouts: BatchedDataDict) -> tuple[to
     return torch.where(valid, rewards, torch.zeros_like(rewards)), valid, figures
 
 
+class NoValidRewardError(ValueError):
+    """Too many consecutive steps without one valid reward: the run learns nothing (not an actor
+    fault; fix the reward source, then resume)."""
+
+
+def check_some_reward_valid(ctx: StepContext, n: int, errors: Sequence[str]) -> None:
+    """A step none of whose ``n`` rewards is valid: logged as an error; a
+    :class:`NoValidRewardError` when the ``grpo.max_steps_without_valid_reward`` steps before it
+    had none either (their ``rewards`` manifests; a step whose manifest is gone counts as valid)."""
+    tolerated = ctx.cfg.grpo.max_steps_without_valid_reward
+    source = ctx.cfg.env.environment or ("env.reward_model" if ctx.cfg.env.reward_model.enabled else ctx.cfg.env.reward_fn)
+    source = source or "the built-in exact-match reward"
+    _logger().error("step %d: none of its %d rewards is valid (%s): the step is masked and teaches nothing; %s",
+                    ctx.step, n, source, "; ".join(errors)[:500] or "NaN or inf rewards")
+    earlier = list(range(ctx.step - tolerated, ctx.step))
+    if earlier and earlier[0] < 1:
+        return
+    for step in earlier:
+        try:
+            meta = storage.read_manifest(ctx.at(step).uri("rewards"), **ctx.storage_kw).meta
+        except FileNotFoundError:
+            return
+        if meta.get("reward_mean") is not None:
+            return
+    raise NoValidRewardError(
+        f"steps {ctx.step - tolerated}-{ctx.step}: no valid reward in {tolerated + 1} consecutive steps from {source} "
+        f"(NaN, inf or raised; grpo.max_steps_without_valid_reward={tolerated}): the run learns nothing. "
+        f"Fix the reward source, then resume the run"
+    )
+
+
 @task(name="score", task_run_name="score-{ctx.run_id}-{ctx.label}", **TASK_DEFAULTS)
 def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
     """Score the step's rollouts; persist ``rewards``."""
@@ -100,6 +132,8 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
             for e in errors:
                 logger.warning("step %d reward: %s", ctx.step, e)
         n_valid = int(valid.sum())
+        if n_valid == 0 and ctx.gen_batch is None:
+            check_some_reward_valid(ctx, int(valid.numel()), errors)
         out, shaped = {"rewards": rewards, "reward_valid": valid}, {}
         shaping = ctx.cfg.grpo.reward_shaping
         if shaping.enabled:

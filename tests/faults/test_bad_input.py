@@ -130,8 +130,9 @@ def test_bad_prompt_file_fails_the_run_setup_before_ray(tmp_path, tiny_model_dir
 
 
 # --------------------------------------------------------------------------- rewards
-def _score_with(reward_fn: str, tmp_path):
-    """Run the ``score`` stage of step 1 on persisted rollouts with ``env.reward_fn``."""
+def _score_with(reward_fn: str, tmp_path, *, steps=(1,), overrides=()):
+    """Run the ``score`` stage of ``steps`` (the last one's outputs returned) on persisted rollouts
+    with ``env.reward_fn``."""
     import types
 
     import storage
@@ -141,24 +142,25 @@ def _score_with(reward_fn: str, tmp_path):
     from nrl_tasks.stages.score import score
 
     root = str(tmp_path / "runs")
-    cfg = load_config(TINY_CONFIG, [f"storage.root={root}", f"env.reward_fn={reward_fn}"])
+    cfg = load_config(TINY_CONFIG, [f"storage.root={root}", f"env.reward_fn={reward_fn}", *overrides])
     run_id = f"reward-{reward_fn.rsplit(':', 1)[1]}"
     layout = RunLayout(root, run_id)
-    storage.save_batch(
-        {
-            "prompt": ["What is 1+1? Answer:"] * 4 + ["What is 2+2? Answer:"] * 4,
-            "response": [" 2", " 3", " two", "2"] + [" 4", " 44", " 5", "four"],
-            "answer": ["2"] * 4 + ["4"] * 4,
-            "group_id": torch.tensor([0] * 4 + [1] * 4),
-        },
-        layout.stage_uri(1, "rollouts"),
-        run_id=run_id, step=1, stage="rollouts",
-    )
     no_actors = types.SimpleNamespace(namespace="-", policy=None, generation=None, reward_model=None)
-    ctx = build_run_context(cfg, run_id, no_actors, tokenizer=None).step(1)
-    out = score.fn(ctx, committed_ref(layout.stage_uri(1, "rollouts"))).summary()
-    rewards = storage.load_batch(layout.stage_uri(1, "rewards"))
-    rollouts = storage.load_batch(layout.stage_uri(1, "rollouts"))
+    run = build_run_context(cfg, run_id, no_actors, tokenizer=None)
+    for step in steps:
+        storage.save_batch(
+            {
+                "prompt": ["What is 1+1? Answer:"] * 4 + ["What is 2+2? Answer:"] * 4,
+                "response": [" 2", " 3", " two", "2"] + [" 4", " 44", " 5", "four"],
+                "answer": ["2"] * 4 + ["4"] * 4,
+                "group_id": torch.tensor([0] * 4 + [1] * 4),
+            },
+            layout.stage_uri(step, "rollouts"),
+            run_id=run_id, step=step, stage="rollouts",
+        )
+        out = score.fn(run.step(step), committed_ref(layout.stage_uri(step, "rollouts"))).summary()
+    rewards = storage.load_batch(layout.stage_uri(steps[-1], "rewards"))
+    rollouts = storage.load_batch(layout.stage_uri(steps[-1], "rollouts"))
     return cfg, out, rewards, rollouts
 
 
@@ -189,6 +191,23 @@ def test_raising_reward_function_masks_the_step_instead_of_ending_the_run(tmp_pa
 
     adv = compute_advantages(rollouts["group_id"], rewards["rewards"], rewards["reward_valid"], cfg.grpo)
     assert adv["sample_mask"].sum() == 0 and (adv["advantages"] == 0).all()
+
+
+def test_consecutive_steps_without_a_valid_reward_stop_the_run_naming_the_source(tmp_path):
+    """One step with no valid reward is masked (above); the next one too stops the run, naming the
+    reward source and the key (was: a run of NaN rewards only finished ``completed`` with loss 0)."""
+    from nrl_tasks.stages.errors import is_actor_fault
+    from nrl_tasks.stages.score import NoValidRewardError
+
+    fn = "tests.faults.reward_plugins:always_raises"
+    with pytest.raises(NoValidRewardError, match=r"steps 1-2: no valid reward in 2 consecutive steps from "
+                       r"tests\.faults\.reward_plugins:always_raises .*grpo\.max_steps_without_valid_reward=1") as ei:
+        _score_with(fn, tmp_path / "a", steps=(1, 2))
+    assert not is_actor_fault(ei.value)
+    with pytest.raises(NoValidRewardError, match="steps 1-1"):  # 0: the first such step stops it
+        _score_with(fn, tmp_path / "b", overrides=["grpo.max_steps_without_valid_reward=0"])
+    _, out, _, _ = _score_with(fn, tmp_path / "c", steps=(1, 2), overrides=["grpo.max_steps_without_valid_reward=2"])
+    assert out["invalid_rewards"] == 8  # tolerated: masked
 
 
 def test_unimportable_reward_function_is_a_clear_error():
