@@ -6,8 +6,9 @@ itself later marks Crashed, even after a retry or a resume finished the run. The
 the run (``nrl resume``, a deployment run with ``resume=true``, or ``prefect flow-run retry`` of
 the same flow run) holds the run's lease, so nothing else can still be running those task runs:
 before it starts any work it sets every task run of the previous flow run and of its step
-subflows that is still Running or Pending to Crashed, and those subflow runs too (never the
-current flow run). Best effort: a failure to reach the API is a warning, not an error.
+subflows that is still Running or Pending to Crashed, those subflow runs too, and the previous
+flow run itself when it is not the current one (``prefect flow-run retry`` reuses it), with what
+the current flow does about it in the state message (restored checkpoint, replayed steps). Best effort: a failure to reach the API is a warning, not an error.
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ from typing import Any
 __all__ = ["mark_orphans_crashed"]
 
 
-def mark_orphans_crashed(previous_flow_run_id: str | None, current_flow_run_id: str | None, log: Any) -> int:
-    """Mark the unfinished task runs and step subflows of ``previous_flow_run_id`` Crashed (see the
-    module docstring); returns how many runs were marked."""
+def mark_orphans_crashed(
+    previous_flow_run_id: str | None, current_flow_run_id: str | None, log: Any, account: str = "",
+) -> int:
+    """Mark the unfinished task runs and step subflows of ``previous_flow_run_id`` Crashed, and that
+    flow run itself unless it is the current one (see the module docstring); ``account``: what the
+    current flow does about it, added to the previous flow run's state message. Returns how many
+    runs were marked."""
     if not previous_flow_run_id:
         return 0
     try:
-        return _mark(uuid.UUID(previous_flow_run_id), uuid.UUID(current_flow_run_id) if current_flow_run_id else None, log)
+        current = uuid.UUID(current_flow_run_id) if current_flow_run_id else None
+        return _mark(uuid.UUID(previous_flow_run_id), current, log, account)
     except Exception as exc:  # noqa: BLE001 - bookkeeping must not stop a resume
         log.warning("could not mark the previous flow run's unfinished task runs Crashed: %s", exc)
         return 0
 
 
-def _mark(previous: uuid.UUID, current: uuid.UUID | None, log: Any) -> int:
+def _mark(previous: uuid.UUID, current: uuid.UUID | None, log: Any, account: str) -> int:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -62,6 +68,12 @@ def _mark(previous: uuid.UUID, current: uuid.UUID | None, log: Any) -> int:
         for r in subflows:
             if r.id != current and r.state is not None and r.state.type in unfinished:
                 client.set_flow_run_state(r.id, Crashed(message=msg), force=True)
+                marked += 1
+        if previous != current:  # ``nrl resume`` / a deployment run: a new flow run; the killed one stays Running
+            run = client.read_flow_run(previous)
+            if run.state is not None and run.state.type in unfinished:
+                note = f"{msg}; {account}" if account else msg
+                client.set_flow_run_state(previous, Crashed(message=note[:2000]), force=True)
                 marked += 1
     if marked:
         log.warning("marked %d task/subflow run(s) of the previous flow run %s Crashed (left Running when it was killed)",

@@ -218,8 +218,9 @@ class RunSession:
         # task runs a killed flow left Running (a live one taken over ends its own: it is fenced)
         alive = flow_process_alive(self.previous.get("flow_process"))
         orphaned = alive is not True
+        plan, facts, reset = self.start.plan, self.start.facts, self.start.optimizer_reset
         if self.previous.get("status") not in (None, "completed") and orphaned:
-            mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log)
+            mark_orphans_crashed(self.previous.get("flow_run_id"), self.flow_run_id, log, account=_resume_account(plan, facts))
         reaped = reap_local_ray(self.previous)
         if reaped:
             log.warning("stopped %d leftover process(es) of the previous flow's local Ray: %s", len(reaped), ", ".join(reaped))
@@ -227,7 +228,6 @@ class RunSession:
         if reaped:
             log.warning("stopped the previous flow's ephemeral Prefect API server: %s", ", ".join(reaped))
         kind = attempt_kind(self.previous, self.flow_run_id, max_steps=max_steps)
-        plan, facts, reset = self.start.plan, self.start.facts, self.start.optimizer_reset
         # the previous flow's entry, left open: its process is gone (crashed) or it was taken over
         was = "crashed" if alive is False else "taken over" if self.intent.take_over else None
         self.history = begin_attempt(
@@ -267,6 +267,20 @@ class RunSession:
         finally:  # an environment's actors are this flow process's own, kept actors or not
             if self.runtime is not None:
                 self.runtime.stop_environment()
+
+
+def _resume_account(plan: Any, facts: Any) -> str:
+    """What the flow taking over a killed one does: ``"steps 1-14 were committed; resumed by flow
+    run <id>: checkpoint 10 restored, steps 11-14 replayed"`` (parts known)."""
+    parts = []
+    if facts is not None and facts.last_trained:
+        parts.append(f"steps 1-{facts.last_trained} were committed")
+    todo = []
+    if plan is not None and plan.restore_from is not None:
+        todo.append(f"checkpoint {plan.restore_from} restored" if plan.restore_from else "the initial weights restored")
+    if plan is not None and plan.replay:
+        todo.append(f"steps {min(plan.replay)}-{max(plan.replay)} replayed" if len(plan.replay) > 1 else f"step {plan.replay[0]} replayed")
+    return "; ".join(parts + ([f"the next flow run resumes it: {', '.join(todo)}"] if todo else ["the next flow run resumes it"]))
 
 
 @contextlib.contextmanager

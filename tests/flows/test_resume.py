@@ -95,6 +95,26 @@ def test_kill_and_resume_is_bit_identical(e2e_run, prefect_harness, ray_session,
     assert not [t.name for t in tasks if t.state.type.value in ("RUNNING", "PENDING")]
     crashed = {t.name for t in tasks if t.state.is_crashed()}
     assert {f"generate-{RUN_ID}-step2", f"checkpoint-{RUN_ID}-step3"} <= crashed, crashed
+    # and each killed flow run itself, by the next one, saying what that one did (was: Running forever)
+    runs = _flow_runs_of(RUN_ID)
+    assert not [r.name for r in runs if r.state.type.value in ("RUNNING", "PENDING")], [(r.name, r.state.type) for r in runs]
+    top = sorted((r for r in runs if r.parent_task_run_id is None), key=lambda r: r.expected_start_time)
+    assert [r.state.type.value for r in top] == ["CRASHED", "CRASHED", "CRASHED", "COMPLETED"], [(r.name, r.state) for r in top]
+    note = top[2].state.message  # written by the last flow run, which restored checkpoint 2 and replayed train 3
+    assert "steps 1-3 were committed" in note and "checkpoint 2 restored, step 3 replayed" in note, note
+
+
+def _flow_runs_of(run_id: str) -> list:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    async def query():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)))
+
+    return asyncio.run(query())
 
 
 def _task_runs_of(run_id: str) -> list:
@@ -102,11 +122,12 @@ def _task_runs_of(run_id: str) -> list:
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    runs = _flow_runs_of(run_id)
 
     async def query():
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=run_id)))
             return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
                                                limit=200)
 
