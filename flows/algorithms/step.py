@@ -50,7 +50,7 @@ from nrl_tasks.stages.refit import refit as refit_task
 from nrl_tasks.stages.refs import StepRefs
 
 __all__ = [
-    "SUBFLOWS_PER_FLOW_RUN", "StepPlan", "StepSegment", "finish_step", "flow_label", "publish_step", "run_step_body",
+    "SUBFLOWS_PER_FLOW_RUN", "StepPlan", "StepSegment", "finish_step", "flow_label", "publish_step", "publish_summary", "run_step_body",
     "step_flows", "step_plan", "steps_per_subflow", "tag_flow_run", "without_subflow_heartbeats",
 ]
 
@@ -234,7 +234,7 @@ def tag_flow_run(flow_run_id: str | None, run_id: str) -> None:
 # publishing
 
 
-def _publish_summary(ctx: StepContext, recipe: Recipe, rows: list[dict[str, Any]], max_steps: int,
+def publish_summary(ctx: StepContext, recipe: Recipe, rows: list[dict[str, Any]], max_steps: int,
                      links: dict[str, str] | None, handle: SummaryHandle) -> None:
     """Build and publish the run summary (in the publisher's thread: it lists the checkpoints);
     ``handle``: the flow run's summary, updated in place, with the run's history."""
@@ -275,7 +275,7 @@ def publish_step(
             publisher.submit(trackers.sync, rows)
         if cfg.logger.artifacts and publisher is not None and artifacts is not None:
             links = trackers.links() if trackers is not None else None
-            publisher.submit(_publish_summary, ctx, recipe, rows, plan.max_steps, links, artifacts.summary)
+            publisher.submit(publish_summary, ctx, recipe, rows, plan.max_steps, links, artifacts.summary)
             if plan.checkpoint or ctx.step == plan.max_steps:  # bounded: not every step
                 publisher.submit(artifacts.metrics.publish, metrics_table(metrics_window(rows)))
                 for kind, markdown in recipe.publish_extra(ctx, refs):  # e.g. GRPO's best and worst rollouts

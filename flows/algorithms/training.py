@@ -27,16 +27,26 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Cancelled
 from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from flows.algorithms.driver import StepDriver
-from flows.algorithms.step import StepPlan, flow_label, publish_step, step_plan, tag_flow_run, without_subflow_heartbeats
+from flows.algorithms.step import (
+    StepPlan,
+    flow_label,
+    publish_step,
+    publish_summary,
+    step_plan,
+    tag_flow_run,
+    without_subflow_heartbeats,
+)
 from flows.config import ConfigError, MasterConfig, changed_keys, config_to_yaml
 from flows.observe.artifacts import BackgroundPublisher, RunArtifacts
 from flows.observe.metrics import read_metrics
 from flows.observe.quiet_logs import quiet_lifecycle_logs
 from flows.observe.trackers import open_trackers, publish_tracker_links
+from flows.run.hints import deployment_default, from_deployment
 from flows.run.preflight import check_plugins
 from flows.run.recipe import Recipe
 from flows.run.recompute import apply_recompute, parse_recompute
@@ -49,6 +59,7 @@ from nrl_tasks.run_layout import validate_run_id
 from nrl_tasks.stages.checkpoint import list_checkpoints
 from nrl_tasks.stages.context import RunContext
 from storage import delete_batch
+from storage.lease import LeaseHeldError
 
 __all__ = ["flow_run_namer", "recipe_flow", "resume_config", "run_steps", "train_run"]
 
@@ -71,11 +82,16 @@ def resume_config(
 ) -> MasterConfig:
     """The config a resume runs: the run's saved ``config.yaml`` with ``overrides`` applied.
 
-    A ``config`` passed as well (a deployment always sends its default) is ignored with a warning
-    when it resolves to the same result-affecting settings (``saved_form``: how a new run's config
+    The deployment's own default ``config`` (sent with every run of it, chosen or not) is not
+    used. Another ``config`` passed as well is ignored with a warning when it resolves to the same
+    result-affecting settings (``saved_form``: how a new run's config
     is saved, e.g. GRPO's on its warm-start weights); one that would change them is refused
     (``ConfigError`` naming the keys): a run keeps the config it was created with."""
     saved = resolve_config(None, overrides, storage, run_id=run_id, recipe=recipe)
+    if config is not None and config == deployment_default("config"):  # sent by the deployment, not chosen
+        log.info("resume of run %s: the deployment's default config is not used; the run's saved config.yaml is "
+                 "(with the overrides %s)", run_id, list(overrides or []))
+        return saved
     if config is None:
         return saved
     given = resolve_config(config, overrides, storage or saved.storage.root)
@@ -149,7 +165,16 @@ def run_steps(
     finally:
         publisher.close()
         trackers.close()
-    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1,
+    links = trackers.links()
+
+    def publish_final(closed_history: list[dict[str, Any]]) -> None:
+        """The summary once more when ``status.json`` says completed: this flow's entry closed."""
+        if cfg.logger.artifacts:
+            artifacts.summary.history = list(closed_history)
+            publish_summary(run.step(recipe.budget(cfg)), recipe, read_metrics(layout.metrics_uri, opts), recipe.budget(cfg),
+                            links, artifacts.summary)
+
+    return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "publish_final": publish_final,
             "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0}
 
 
@@ -189,9 +214,9 @@ def train_run(
     tag_this_flow_run(run_id)  # before the config is read: a flow run refused for its config is tagged too
     log = _logger()
     fix = (lambda c: configure(c, run_id, log)) if configure is not None else None
+    saved = (lambda c: saved_form(c, run_id)) if saved_form is not None else None
     if resume and given:
-        cfg = resume_config(recipe, config, overrides, storage, run_id, log,
-                            saved_form=(lambda c: saved_form(c, run_id)) if saved_form is not None else None)
+        cfg = resume_config(recipe, config, overrides, storage, run_id, log, saved_form=saved)
     else:
         cfg = resolve_config(config, overrides, storage, recipe=recipe)
     specs = parse_recompute(recompute, recipe.graph)
@@ -203,7 +228,7 @@ def train_run(
     check_plugins(cfg)  # before the lease, the run's directory and Ray (a deployment run skips the CLI's preflight)
     intent = RunIntent(resume=resume, take_over=take_over, fresh_optimizer=fresh_optimizer)
     with quiet_lifecycle_logs(cfg.logger.log_level), run_session(
-        cfg, run_id, recipe=recipe, intent=intent, recompute=recompute, log=log, configure=fix,
+        cfg, run_id, recipe=recipe, intent=intent, recompute=recompute, log=log, configure=fix, saved_form=saved,
     ) as session:
         cfg, layout, opts = session.cfg, session.layout, session.storage_options
         if session.start.deletes:  # checked by the resume entry (flows.run.start), with the damaged data
@@ -222,6 +247,7 @@ def train_run(
                 refit_generation=session.start.refit_generation(workers_attached=rt.generation_attached),  # flows.run.start
                 fence=session.fence, optimizer_reset=session.start.optimizer_reset, history=session.history,
             )
+            session.on_completed.append(info.pop("publish_final"))
             session.finish(restored=info["restored"])
     rows = read_metrics(layout.metrics_uri, opts)
     return {
@@ -261,6 +287,17 @@ _FLOW_DOC = """{summary}
     """
 
 
+def refusal_state(exc: BaseException) -> Any:
+    """A ``Cancelled`` state saying why the run was refused (its config, an existing run id,
+    another writer), for a deployment's own flow run (the UI's Run, a schedule): it reads as
+    refused, not as a red Failed with a traceback. None elsewhere: the CLI and a parent flow get
+    the exception (exit 2; the pipeline's own handling)."""
+    if not from_deployment() or flow_run.get_parent_flow_run_id():
+        return None
+    get_run_logger().error("refused: %s", exc)
+    return Cancelled(message=f"refused: {exc}"[:2000])
+
+
 def recipe_flow(
     recipe: Recipe, *, summary: str | None = None, configure: Callable[[MasterConfig, str, Any], MasterConfig] | None = None,
     saved_form: Callable[[MasterConfig, str], MasterConfig] | None = None,
@@ -275,10 +312,16 @@ def recipe_flow(
 
         def run_recipe(config: str | dict | MasterConfig | None = None, run_id: str | None = None, resume: bool = False,
                        overrides: list[str] | None = None, storage: str | None = None, recompute: list[str] | None = None,
-                       take_over: bool = False, fresh_optimizer: bool = False) -> dict[str, Any]:
-            return train_run(recipe, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
-                             recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer,
-                             configure=configure, saved_form=saved_form)
+                       take_over: bool = False, fresh_optimizer: bool = False) -> Any:
+            try:
+                return train_run(recipe, config=config, run_id=run_id, resume=resume, overrides=overrides, storage=storage,
+                                 recompute=recompute, take_over=take_over, fresh_optimizer=fresh_optimizer,
+                                 configure=configure, saved_form=saved_form)
+            except (ConfigError, LeaseHeldError) as exc:
+                refused = refusal_state(exc)
+                if refused is None:
+                    raise
+                return refused
 
         run_recipe.__name__ = run_recipe.__qualname__ = label
         run_recipe.__doc__ = _FLOW_DOC.format(summary=summary or f"Train with {label}.", kind=label, section=recipe.section,

@@ -18,7 +18,9 @@ Idempotent: a committed warm-start checkpoint is reused, so a retried or resumed
 ``config`` still names the base model) maps to the same weights and the same config hash without
 training again; an SFT run killed midway resumes where it stopped; a config whose
 ``policy.model_name`` already is the run's warm-start weights (the saved ``config.yaml`` of a
-resume) is used as it is. The post-training pipeline (:mod:`flows.pipeline`) is the general form:
+resume) is used as it is once they are committed, else the SFT run is resumed (the GRPO run's
+``config.yaml`` and ``status.json`` are written before the SFT starts, so a run killed there is
+listed by ``nrl runs`` and resumed by ``nrl resume``). The post-training pipeline (:mod:`flows.pipeline`) is the general form:
 any stages, each from the last one's checkpoint.
 """
 
@@ -94,16 +96,21 @@ def ensure_warm_start(cfg: MasterConfig, run_id: str, log: Any) -> MasterConfig:
     if not cfg.warm_start.sft_steps:
         return cfg
     weights = warm_start_weights(cfg, run_id)
-    if cfg.policy.model_name == weights:
-        return cfg  # the run's saved config (a resume)
     ck_uri = weights.rsplit("/", 1)[0]
-    if is_checkpoint_committed(ck_uri, cfg.storage.storage_options or None):
-        log.info("warm start: reusing %s", ck_uri)
+    opts = cfg.storage.storage_options or None
+    if is_checkpoint_committed(ck_uri, opts):
+        if cfg.policy.model_name != weights:
+            log.info("warm start: reusing %s", ck_uri)
         return with_warm_start_weights(cfg, run_id)
     sid = warm_start_run_id(run_id)
-    log.info("warm start: %d SFT steps from %s (run %s)", cfg.warm_start.sft_steps, cfg.policy.model_name, sid)
     # an SFT run killed midway (its config is saved) resumes where it stopped
-    resume = fs.exists(RunLayout(cfg.storage.root, sid).config_uri, storage_options=cfg.storage.storage_options or None)
+    resume = fs.exists(RunLayout(cfg.storage.root, sid).config_uri, storage_options=opts)
+    if cfg.policy.model_name == weights and not resume:  # the run's saved config names weights never trained
+        raise ValueError(
+            f"run {run_id!r} was stopped before its warm start's SFT run {sid!r} began, and its saved config "
+            f"names only the weights that run would make ({weights}): start it again with its original config"
+        )
+    log.info("warm start: %d SFT steps (run %s%s)", cfg.warm_start.sft_steps, sid, ", resumed" if resume else "")
     out = sft(  # its own run session: lease, status, and a local Ray it starts is stopped at its end
         config=None if resume else warm_start_config(cfg), run_id=sid, resume=resume, storage=cfg.storage.root,
     )

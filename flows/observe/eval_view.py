@@ -5,8 +5,10 @@ training run: a link to its latest flow run in the Prefect UI's current (V2) pag
 (``<PREFECT_UI_URL>/v2/runs/flow-run/<id>``) and to its earlier ones (a resume, an extension: the
 run's history, :mod:`flows.run.history`); without a UI URL the flow-run id and the run's storage URI; then per dataset: the best checkpoint
 by accuracy (ties: the earlier step) and a table of the newest :data:`TABLE_ROWS` checkpoints in step
-order, the best one starred, each with a link to its files (local paths and http(s); ``s3://``
-stays plain text). At the top, one plot (:func:`flows.observe.plot.line_plot_png`, axes, ticks,
+order, the best one starred (none when every accuracy is 0), each with its files' location (a link
+for http(s); a local path or ``s3://`` as text to copy: the Prefect UI drops ``file://`` links).
+Flow runs are named as in the Runs list (``r1``, ``r1-extend-3``), a Prefect retry of the same
+flow run listed once with what each attempt did. At the top, one plot (:func:`flows.observe.plot.line_plot_png`, axes, ticks,
 legend, 0-1 scale) of accuracy per checkpoint step for the newest :data:`PLOT_SERIES` run/dataset
 pairs shown (one run with one dataset: its accuracy and pass@k).
 
@@ -31,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flows.config.storage_root import normalize_root
+from flows.observe.flow_run_meta import flow_run_name
 from flows.observe.plot import GREEN, PALETTE, Series, line_plot_png, png_data_uri
 from nrl_tasks.run_layout import parse_step_dir
 
@@ -96,24 +99,19 @@ def _code(text: Any) -> str:
 
 
 def uri_link(uri: str | None) -> str:
-    """A markdown link to ``uri`` where a browser can follow it (an absolute local path as
-    ``file://``, ``file://`` and ``http(s)://`` as they are), else the URI as code (``s3://``).
+    """A markdown link to an ``http(s)://`` ``uri``, else the URI as code to copy: the Prefect UI
+    drops ``file://`` links (an underlined path that opens nothing), and ``s3://`` opens nowhere.
 
-    >>> uri_link("/runs/r/checkpoints/step_000002")
-    '[/runs/r/checkpoints/step_000002](file:///runs/r/checkpoints/step_000002)'
+    >>> uri_link("/runs/r/checkpoints/step_000002"), uri_link("https://h/x")
+    ('`/runs/r/checkpoints/step_000002`', '[https://h/x](https://h/x)')
     >>> uri_link("s3://b/runs/r/checkpoints/step_000002")
     '`s3://b/runs/r/checkpoints/step_000002`'
     """
     if not uri:
         return ""
-    target = None
-    if uri.startswith(("http://", "https://", "file://")):
-        target = uri
-    elif uri.startswith("/"):
-        target = "file://" + uri
-    if target is None or any(c in target for c in " ()<>|\n"):
+    if not uri.startswith(("http://", "https://")) or any(c in uri for c in " ()<>|\n"):
         return _code(uri)
-    return f"[{uri.replace('[', '(').replace(']', ')')}]({target})"
+    return f"[{uri.replace('[', '(').replace(']', ')')}]({uri})"
 
 
 def _num(v: Any, spec: str = ".3f") -> str:
@@ -126,23 +124,45 @@ def _step(row: Mapping[str, Any]) -> int:
 
 
 def best_row(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The row with the highest accuracy, the earlier step on a tie; ``None`` if none has one."""
-    scored = [r for r in rows if r.get("accuracy") is not None]
+    """The row with the highest accuracy, the earlier step on a tie; ``None`` if none has one
+    above 0 (nothing to prefer: a star on a tie at 0 would single out a checkpoint for nothing)."""
+    scored = [r for r in rows if r.get("accuracy") is not None and float(r["accuracy"]) > 0]
     return min(scored, key=lambda r: (-float(r["accuracy"]), _step(r))) if scored else None
 
 
-def _run_header(run_id: str, info: Mapping[str, Any]) -> str:
+def _flow_runs(run_id: str, info: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(flow run id, its name, what it did)`` per flow run of the run's history, oldest first; a
+    flow run retried by Prefect (the same id) once, e.g. ``("…", "r1", "1 start, 2 retry")``."""
+    by_id: dict[str, list[Mapping[str, Any]]] = {}
+    for e in info.get("flow_runs") or []:
+        if e.get("flow_run_id"):
+            by_id.setdefault(str(e["flow_run_id"]), []).append(e)
     fr = info.get("flow_run_id")
-    url = flow_run_url(info.get("ui_url"), fr)
-    if url:
-        parts = [f"training run: [flow run {fr}]({url})"]
-    else:
-        parts = [f"training run: flow run {_code(fr)}" if fr else "training run: no flow-run id recorded"]
-    earlier = [e for e in info.get("flow_runs") or [] if e.get("flow_run_id") and e["flow_run_id"] != fr][-EARLIER_FLOW_RUNS:]
+    if fr and str(fr) not in by_id:
+        by_id[str(fr)] = []
+    out = []
+    for fid, entries in by_id.items():
+        first = entries[0] if entries else {}
+        name = flow_run_name(run_id, str(first.get("kind", "start")), int(first.get("attempt", 1)))
+        out.append((fid, name, ", ".join(f"{e.get('attempt', '?')} {e.get('kind', '')}" for e in entries)))
+    return out
+
+
+def _run_header(run_id: str, info: Mapping[str, Any]) -> str:
+    fr = str(info.get("flow_run_id") or "")
+    ui = info.get("ui_url")
+    runs = _flow_runs(run_id, info)
+
+    def label(fid: str, name: str, what: str) -> str:
+        url = flow_run_url(ui, fid)
+        text = f"{name} ({what})" if what else name
+        return f"[{text}]({url})" if url else f"{text} {_code(fid)}"
+
+    current = [r for r in runs if r[0] == fr]
+    parts = [f"training run: {label(*current[0])}" if current else "training run: no flow-run id recorded"]
+    earlier = [r for r in runs if r[0] != fr][-EARLIER_FLOW_RUNS:]
     if earlier:
-        links = [f"[{e.get('attempt', '?')} {e.get('kind', '')}]({flow_run_url(info.get('ui_url'), e['flow_run_id'])})"
-                 if info.get("ui_url") else f"{e.get('attempt', '?')} {e.get('kind', '')} {_code(e['flow_run_id'])}" for e in earlier]
-        parts.append("earlier flow runs: " + ", ".join(links))
+        parts.append("earlier flow runs: " + ", ".join(label(*r) for r in earlier))
     if info.get("run_uri"):
         parts.append(f"storage {uri_link(info['run_uri'])}")
     return f"## Run {_code(run_id)}\n\n" + " · ".join(parts)
@@ -155,9 +175,11 @@ def _dataset_section(dataset: str, rows: list[Mapping[str, Any]], table_rows: in
     pass_name = f"pass@{ks[0]}" if len(ks) == 1 else "pass@k"
     first, last = rows[0]["checkpoint"], rows[-1]["checkpoint"]
     out = [f"### Dataset {_code(dataset)}: {len(rows)} checkpoint(s)", ""]
-    out.append(
-        f"best: {best['checkpoint']} (accuracy {_num(best['accuracy'])})" if best is not None else "best: n/a (no accuracy)"
-    )
+    if best is not None:
+        out.append(f"best: {best['checkpoint']} (accuracy {_num(best['accuracy'])})")
+    else:
+        scored = any(r.get("accuracy") is not None for r in rows)
+        out.append("best: none (accuracy 0 at every checkpoint)" if scored else "best: n/a (no accuracy)")
     span = f"{first}..{last}" if len(rows) > 1 else first
     known = [r for r in rows if r.get("accuracy") is not None]
     if known:

@@ -11,13 +11,25 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["add_flow_run_tags", "rename_flow_run", "run_tag"]
+__all__ = ["add_flow_run_tags", "flow_run_name", "refused_name", "rename_flow_run", "run_tag"]
 
 logger = logging.getLogger(__name__)
 
 
 def run_tag(run_id: str) -> str:
     return f"run:{run_id}"
+
+
+def flow_run_name(run_id: str, what: str, attempt: int) -> str:
+    """``<run_id>`` for the run's first flow, ``<run_id>-<what>-<attempt>`` for the others (``what``:
+    :func:`flows.run.history.attempt_kind`)."""
+    return run_id if what == "start" else f"{run_id}-{what}-{attempt}"
+
+
+def refused_name(run_id: str, flow_run_id: str | None = None) -> str:
+    """``<run_id>-refused-<first 6 hex digits of the flow run id>``: unique per refused flow run."""
+    tag = (flow_run_id or "").replace("-", "")[:6]
+    return f"{run_id}-refused-{tag}" if tag else f"{run_id}-refused"
 
 
 def add_flow_run_tags(flow_run_id: str | None, tags: Sequence[str], *, max_run_tags: int | None = None) -> list[str]:

@@ -13,7 +13,9 @@ shell.
 
 from __future__ import annotations
 
-__all__ = ["from_deployment", "resume_command"]
+from typing import Any
+
+__all__ = ["deployment_default", "from_deployment", "resume_command"]
 
 
 def from_deployment() -> bool:
@@ -24,6 +26,22 @@ def from_deployment() -> bool:
         return bool(deployment.id)
     except Exception:  # noqa: BLE001 - no Prefect context: the CLI's words
         return False
+
+
+def deployment_default(name: str) -> Any:
+    """The default value of parameter ``name`` of the deployment this flow run was created from
+    (what it sends whether or not the user passed the parameter); None outside a deployment run
+    or when the API cannot say."""
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.runtime import deployment
+
+        if not deployment.id:
+            return None
+        with get_client(sync_client=True) as client:
+            return (client.read_deployment(deployment.id).parameters or {}).get(name)
+    except Exception:  # noqa: BLE001 - no Prefect context or API: nothing known
+        return None
 
 
 def resume_command(run_id: str, *flags: str, deployed: bool | None = None) -> str:

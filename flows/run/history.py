@@ -16,7 +16,7 @@ process is gone: SIGKILL, OOM, a lost machine) or ``taken over`` (``--take-over`
 keeps the last :data:`MAX_ENTRIES`.
 
 A flow run is named after what it does (:func:`flow_run_name`): the run id for its start,
-``<run_id>-<kind>-<attempt>`` otherwise (``grpo-1a2b-extend-3``), and ``<run_id>-refused`` when the
+``<run_id>-<kind>-<attempt>`` otherwise (``grpo-1a2b-extend-3``), and ``<run_id>-refused-<6 hex>`` when the
 session refused it (a second writer, an existing run id, a changed config); the run summary
 shows the history (:func:`flows.observe.summary.history_markdown`).
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from flows.observe.flow_run_meta import flow_run_name, refused_name
 
 __all__ = ["MAX_ENTRIES", "attempt_kind", "begin_attempt", "end_attempt", "flow_run_name", "refused_name"]
 
@@ -44,15 +46,6 @@ def attempt_kind(previous: Mapping[str, Any], flow_run_id: str | None, *, max_st
         return "retry"
     before = previous.get("max_steps")
     return "extend" if isinstance(before, int) and max_steps > before else "resume"
-
-
-def flow_run_name(run_id: str, what: str, attempt: int) -> str:
-    """``<run_id>`` for the run's first flow, ``<run_id>-<what>-<attempt>`` for the others (``what``: :func:`attempt_kind`)."""
-    return run_id if what == "start" else f"{run_id}-{what}-{attempt}"
-
-
-def refused_name(run_id: str) -> str:
-    return f"{run_id}-refused"
 
 
 def begin_attempt(

@@ -114,12 +114,12 @@ def tag_this_flow_run(run_id: str) -> None:
 
 @contextlib.contextmanager
 def _named_if_refused(flow_run_id: str | None, run_id: str) -> Iterator[None]:
-    """Rename the flow run ``<run_id>-refused`` when the block refuses the run (another writer, an
+    """Rename the flow run ``<run_id>-refused-<6 hex>`` when the block refuses the run (another writer, an
     existing run id, a changed config): not to be mistaken for the run's own flow runs."""
     try:
         yield
     except (ConfigError, LeaseHeldError):
-        rename_flow_run(flow_run_id, refused_name(run_id))
+        rename_flow_run(flow_run_id, refused_name(run_id, flow_run_id))
         raise
 
 
@@ -141,6 +141,8 @@ class RunSession:
     end_fields: dict[str, Any] = field(default_factory=dict)
     #: the run's history with this flow's entry (:mod:`flows.run.history`), set by :meth:`running`
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: called with the closed history once ``status.json`` says ``completed`` (the final summary)
+    on_completed: list[Callable[[list[dict[str, Any]]], None]] = field(default_factory=list)
 
     @property
     def run_id(self) -> str:
@@ -248,8 +250,14 @@ class RunSession:
             with own_local_ray(self.run_id), retry_policy(self.cfg.storage.retry.policy()):
                 yield self
                 self.fence()  # taken over at the last moment: the new holder's status stays
+                self.history = end_attempt(self.history, "completed")
                 write_status(layout, opts, status="completed", last_step=max_steps, error=None,
-                             history=end_attempt(self.history, "completed"), **self.end_fields)
+                             history=self.history, **self.end_fields)
+                for hook in self.on_completed:
+                    try:
+                        hook(self.history)
+                    except Exception as exc:  # noqa: BLE001 - the run is complete; its last summary is cosmetic
+                        log.warning("could not publish the run's final summary: %s", exc)
                 if self.runtime is not None and not nrl_settings().keep_actors:
                     self.runtime.shutdown()  # kill the actors, remove the placement groups
         except BaseException as exc:
@@ -316,10 +324,13 @@ def run_session(
     recipe: Recipe,
     intent: RunIntent = RunIntent(),
     configure: Callable[[MasterConfig], MasterConfig] | None = None,
+    saved_form: Callable[[MasterConfig], MasterConfig] | None = None,
     recompute: list[str] | None = None,
     log: Any = None,
 ) -> Iterator[RunSession]:
-    """Enter run ``run_id`` (steps 1-4 of the module docstring); the lease is released on exit."""
+    """Enter run ``run_id`` (steps 1-4 of the module docstring); the lease is released on exit.
+    ``saved_form``: the config ``configure`` will return, known without its work: a new run is
+    created with it before ``configure`` runs, so one killed there is listed and resumable."""
     layout = RunLayout(cfg.storage.root, run_id)
     opts = cfg.storage.storage_options or None
     fid = _flow_run_id()
@@ -327,16 +338,24 @@ def run_session(
         lease = hold_run_lease(layout, opts, fid, take_over=intent.take_over)  # refused at once while another writer lives
     try:
         with _named_if_refused(fid, run_id):
-            if configure is not None:
-                cfg = configure(cfg)
+            previous = read_status(layout, opts) or {}
             existed = fs.exists(layout.config_uri, storage_options=opts)
+            if configure is not None:
+                if saved_form is not None and not existed and not intent.resume:
+                    # the run exists (config, status) before its configure step trains: a warm start
+                    # killed in its SFT is then `nrl runs`-listed and resumed like any run
+                    init_run(layout, saved_form(cfg), resume=False, flow_run_id=fid)
+                    write_status(layout, opts, status="running", algorithm=recipe.kind, flow_run_id=fid,
+                                 flow_process=current_process())
+                cfg = configure(cfg)
             # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
-            chash = init_run(layout, cfg, resume=intent.resume or (intent.restartable and existed), flow_run_id=fid)
+            restartable = intent.restartable and fs.exists(layout.config_uri, storage_options=opts)
+            chash = init_run(layout, cfg, resume=intent.resume or restartable, flow_run_id=fid)
             start = plan_start(cfg, layout, recipe=recipe, resume=existed, recompute=recompute,
                                fresh_optimizer=intent.fresh_optimizer)
         yield RunSession(
             cfg=cfg, layout=layout, recipe=recipe, flow_run_id=fid, lease=lease, config_hash=chash,
-            previous=read_status(layout, opts) or {}, start=start, log=log or logger, intent=intent,
+            previous=previous, start=start, log=log or logger, intent=intent,
         )
     finally:
         lease.release()

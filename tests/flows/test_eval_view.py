@@ -56,18 +56,26 @@ def test_checkpoints_in_step_order_with_curves():
 def test_links_to_checkpoints_and_the_training_run():
     runs = {"r1": {"flow_run_id": "1234-abcd", "run_uri": "/data/runs/r1", "ui_url": "http://127.0.0.1:4200/"}}
     md = eval_view_markdown("runs", _rows([(2, 0.5)]), runs)
-    assert "[flow run 1234-abcd](http://127.0.0.1:4200/v2/runs/flow-run/1234-abcd)" in md  # the current UI
+    assert "training run: [r1](http://127.0.0.1:4200/v2/runs/flow-run/1234-abcd)" in md  # the current UI, by name
+    # a start, Prefect's retry of that same flow run, then an extension: the retried flow run is listed once
     extended = {"r1": dict(runs["r1"], flow_runs=[{"attempt": 1, "kind": "start", "flow_run_id": "0000-start"},
-                                                  {"attempt": 2, "kind": "extend", "flow_run_id": "1234-abcd"}])}
+                                                  {"attempt": 2, "kind": "retry", "flow_run_id": "0000-start"},
+                                                  {"attempt": 3, "kind": "extend", "flow_run_id": "1234-abcd"}])}
     md = eval_view_markdown("runs", _rows([(2, 0.5)]), extended)
-    assert "earlier flow runs: [1 start](http://127.0.0.1:4200/v2/runs/flow-run/0000-start)" in md
-    assert "[/data/runs/r1/checkpoints/step_000002](file:///data/runs/r1/checkpoints/step_000002)" in md
+    assert "training run: [r1-extend-3 (3 extend)](http://127.0.0.1:4200/v2/runs/flow-run/1234-abcd)" in md
+    assert "earlier flow runs: [r1 (1 start, 2 retry)](http://127.0.0.1:4200/v2/runs/flow-run/0000-start) ·" in md
+    assert "`/data/runs/r1/checkpoints/step_000002`" in md and "file://" not in md  # the UI drops file:// links
     no_ui = {"r1": {"flow_run_id": "1234-abcd", "run_uri": "s3://bkt/runs/r1"}}
     s3 = eval_view_markdown("runs", _rows([(2, 0.5)], root="s3://bkt/runs"), no_ui)
     assert "`s3://bkt/runs/r1/checkpoints/step_000002`" in s3 and "](s3://" not in s3
-    assert "training run: flow run `1234-abcd` · storage `s3://bkt/runs/r1`" in s3  # no UI URL: id and storage
+    assert "training run: r1 `1234-abcd` · storage `s3://bkt/runs/r1`" in s3  # no UI URL: name, id and storage
     assert flow_run_url(None, "x") is None and uri_link("https://h/x") == "[https://h/x](https://h/x)"
     assert uri_link("runs/relative") == "`runs/relative`"
+
+
+def test_no_star_when_every_accuracy_is_0():
+    md = eval_view_markdown("r1", _rows([(2, 0.0), (4, 0.0)]))
+    assert "best: none (accuracy 0 at every checkpoint)" in md and "★" not in md
 
 
 def test_bounded_table_and_curve():
@@ -159,9 +167,10 @@ def test_eval_sweep_publishes_the_view_once_and_names_its_runs(trained_run, pref
     md = arts[0].data
     print(md)  # the example in the report
     training_id = json.load(open(os.path.join(root, RUN_ID, "status.json")))["flow_run_id"]
-    assert f"/v2/runs/flow-run/{training_id})" in md and md.count("| ★ |") == 1 and "best: step_00000" in md
+    assert f"/v2/runs/flow-run/{training_id})" in md
+    assert (md.count("| ★ |") == 1 and "best: step_00000" in md) or ("★" not in md and "best: none" in md)
     assert "accuracy step_000001..step_000002: first " in md and "(pass@2 last " in md and len(_plot(md)) < 12_000
-    assert f"(file://{root}/{RUN_ID}/checkpoints/step_000002)" in md
+    assert f"`{root}/{RUN_ID}/checkpoints/step_000002`" in md
     # the evaluations are curves in the training run's own tracker run (TensorBoard here)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -56,7 +56,9 @@ def test_start_refusal_extension_and_resume_have_their_own_names_and_the_run_tag
         grpo(config=bad, run_id="names-bad")
 
     runs = _flow_runs(run_id)
-    assert [r.name for r in runs] == [run_id, f"{run_id}-refused", f"{run_id}-extend-2", f"{run_id}-resume-3"], [r.name for r in runs]
+    names = [r.name for r in runs]
+    assert names[0] == run_id and names[2:] == [f"{run_id}-extend-2", f"{run_id}-resume-3"], names
+    assert names[1] == f"{run_id}-refused-{str(runs[1].id).replace('-', '')[:6]}", names
     assert [r.state.type.value for r in runs] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"]
     assert [r.name for r in _flow_runs("names-bad")] != []  # tagged although its config never resolved
 

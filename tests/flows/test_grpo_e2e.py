@@ -114,6 +114,10 @@ def test_prefect_state_and_artifacts(e2e_run):
     assert arts["progress"] and "Best" in arts["rollouts"][0].data
     assert any("step 3 of 3" in a.data and "reward per step, its moving average" in a.data
                and "**History** (1 flow run(s) of this run, UTC)" in a.data for a in arts["summary"])
+    # the last version is published once status.json says completed: the flow's row closed, with its end time
+    import re
+
+    assert re.search(r"\| 1 \| start \| [^|]+ \| \d[^|]* \| completed \|", arts["summary"][0].data), arts["summary"][0].data[-1500:]
 
 
 def test_refit_failure_leaves_workers_stale_then_retry_succeeds(e2e_run, monkeypatch):

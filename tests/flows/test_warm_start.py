@@ -74,3 +74,33 @@ def test_the_warm_start_config_is_an_sft_run_with_its_own_batch_and_learning_rat
     assert sft.kind == "sft" and sft.sft.max_num_steps == 3 and sft.checkpointing.save_period == 3
     assert sft.policy.train_global_batch_size == 8 and sft.policy.optimizer.kwargs.lr == 0.003
     assert sft.policy.optimizer.kwargs.weight_decay == 0.0 and sft.warm_start.sft_steps == 0
+
+
+@pytest.mark.slow  # a GRPO flow killed inside its warm start's SFT run, then resumed
+def test_a_run_killed_during_its_warm_start_is_listed_and_resumes(tmp_path, prefect_harness, ray_session, tiny_model_dir):
+    """Was: ``nrl resume <id>`` said there is no run and ``nrl runs`` did not list it (only the
+    ``<id>-sft`` run existed)."""
+    import signal
+
+    from tests.faults.helpers import run_nrl
+
+    root = str(tmp_path / "runs")
+    cfg = tiny_run_config(tiny_model_dir, root, ray_session, **{"grpo.max_num_steps": 1, "warm_start.sft_steps": 3,
+                                                                 "warm_start.batch_size": 8, "warm_start.lr": 3e-3})
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    try:
+        p = run_nrl(["grpo", "--config", str(path), "--run-id", "ws"], prefect_harness, kill_at="sft_train@2:during")
+        assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
+        p = run_nrl(["runs", "--storage", root], prefect_harness)
+        assert p.returncode == 0 and any(line.split()[:1] == ["ws"] for line in p.stdout.splitlines()), p.stdout
+        p = run_nrl(["resume", "ws", "--storage", root], prefect_harness)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        assert "finished 1 steps" in p.stdout or "1/1" in p.stdout, p.stdout[-2000:]
+    finally:
+        kill_run_actors("ws")
+        kill_run_actors("ws-sft")
+    assert os.path.exists(os.path.join(root, "ws-sft", "checkpoints", "step_000003", "checkpoint.json"))
+    import storage
+
+    assert storage.is_committed(os.path.join(root, "ws", "steps", "step_000001", "train"))
