@@ -46,7 +46,7 @@ from flows.algorithms.registry import recipe_for
 from flows.config import ConfigError, MasterConfig, config_hash, load_config_dict, read_config_data
 from flows.config.overrides import apply_overrides
 from flows.observe.artifacts import KeyedArtifact
-from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
+from flows.observe.flow_run_meta import add_flow_run_tags, flow_tag, run_tag
 from flows.observe.metrics import read_metrics
 from flows.observe.pipeline_summary import pipeline_markdown
 from flows.run.lease import hold_run_lease
@@ -277,7 +277,7 @@ def pipeline(
     log = get_run_logger()
     root = check_storage_root(storage or "./runs", create=not resume)
     pid = validate_run_id(run_id) if run_id else new_run_id("pipeline")
-    add_flow_run_tags(str(flow_run.id) if flow_run.id else None, [run_tag(pid)])
+    add_flow_run_tags(str(flow_run.id) if flow_run.id else None, [run_tag(pid), flow_tag(pid)])
     existing = pipeline_exists(root, pid)
     previous = read_pipeline(root, pid) if existing else None
     retry = bool(previous and flow_run.id and previous.get("flow_run_id") == str(flow_run.id))

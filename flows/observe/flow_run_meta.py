@@ -1,7 +1,7 @@
 """Names and tags of Prefect flow runs, set after they started (cosmetic: never raises).
 
 A run's flow run and its step subflows carry ``run:<run_id>``; an eval flow run carries one such
-tag per run it evaluated. Tags are added to what the flow run has (a deployment's ``nrl``,
+tag per run it evaluated. The run's own flow runs (not the subflows) also carry ``flow:<run_id>``. Tags are added to what the flow run has (a deployment's ``nrl``,
 ``train``), never replacing it. Task runs carry no tags (see :func:`flows.algorithms.step.tag_flow_run`).
 """
 
@@ -11,13 +11,20 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["add_flow_run_tags", "flow_run_name", "refused_name", "rename_flow_run", "run_tag"]
+__all__ = ["add_flow_run_tags", "flow_run_name", "flow_tag", "refused_name", "rename_flow_run", "run_tag"]
 
 logger = logging.getLogger(__name__)
 
 
 def run_tag(run_id: str) -> str:
+    """Every flow run of run ``run_id``: its own, its step subflows, the eval sweeps that read it."""
     return f"run:{run_id}"
+
+
+def flow_tag(run_id: str) -> str:
+    """Only the run's own flow runs (its start, resumes, extensions, retries, refusals): the one
+    filter that finds them in the UI's Runs list (Tags: ``flow:<run_id>``), without the subflows."""
+    return f"flow:{run_id}"
 
 
 def flow_run_name(run_id: str, what: str, attempt: int) -> str:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 from prefect.exceptions import TerminationSignal
 
 from flows.config import ConfigError, MasterConfig
-from flows.observe.flow_run_meta import add_flow_run_tags, rename_flow_run, run_tag
+from flows.observe.flow_run_meta import add_flow_run_tags, flow_tag, rename_flow_run, run_tag
 from flows.run.crash_cleanup import mark_orphans_crashed
 from flows.run.history import attempt_kind, begin_attempt, end_attempt, flow_run_name, refused_name
 from flows.run.lease import check_fence, hold_run_lease
@@ -106,10 +106,11 @@ def _flow_run_id() -> str | None:
 
 
 def tag_this_flow_run(run_id: str) -> None:
-    """Tag the flow run this runs in ``run:<run_id>``. Every flow that enters a run session (GRPO,
-    DPO, SFT) calls it first, before its config is read, so that every flow run of a run is found
-    by its tag, refused ones too; the session itself tags nothing."""
-    add_flow_run_tags(_flow_run_id(), [run_tag(run_id)])
+    """Tag the flow run this runs in ``run:<run_id>`` and ``flow:<run_id>`` (the run's own flow runs,
+    not its subflows). Every flow that enters a run session (GRPO, DPO, SFT) calls it first, before
+    its config is read, so that every flow run of a run is found by its tag, refused ones too; the
+    session itself tags nothing."""
+    add_flow_run_tags(_flow_run_id(), [run_tag(run_id), flow_tag(run_id)])
 
 
 @contextlib.contextmanager
