@@ -261,13 +261,24 @@ def _flow_run(api: str, flow_run_id: str) -> dict[str, Any]:
     return _api(api, f"/flow_runs/{flow_run_id}")
 
 
+def _wait_state(api: str, flow_run_id: str, want: str, log: str, timeout_s: float = 1800) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (state := _flow_run(api, flow_run_id)["state_type"]) != want:
+        if state in {"FAILED", "CRASHED", "COMPLETED", "CANCELLED"} - {want} or time.monotonic() > deadline:
+            raise RuntimeError(f"flow run {flow_run_id} ended {state}, not {want}; see {log}")
+        time.sleep(2)
+
+
 def long_run_tour(procs: Processes, env: dict[str, str], api: str, ui: str, out: str, tmp: str, steps: int) -> None:
     """Part 6: a long run of the ``grpo-train`` deployment (the tiny config, ``steps`` steps, the
     default step grouping) on a process worker whose flow process is SIGKILLed twice (the fault
     plug-in of the tests, ``NRL_FAULT_KILL_AT``: after ``train`` commits at 35% and 70% of the
-    steps), each time retried as the UI's Retry does (``prefect flow-run retry``); then the runs
-    list at the UI's default settings (``runs-list-long.png``), the run's page (``flow-run-long.png``),
-    its Artifacts tab (``artifacts-long.png``) and its summary with the history (``summary-long.png``)."""
+    steps), each time retried as the UI's Retry does (``prefect flow-run retry``), then extended by
+    two steps with the README's command and started again under its id (refused); then the runs
+    list at the UI's default settings (``runs-list-long.png``), the same filtered by the run's
+    ``flow:<run_id>`` tag (``runs-filtered-long.png``), the dashboard (``dashboard-long.png``), the
+    run's page (``flow-run-long.png``), its Artifacts tab (``artifacts-long.png``) and its summary
+    with the history (``summary-long.png``)."""
     from flows.observe.artifacts import artifact_key
 
     prefect = os.path.join(BIN, "prefect")
@@ -302,12 +313,23 @@ def long_run_tour(procs: Processes, env: dict[str, str], api: str, ui: str, out:
         if state in ("FAILED", "CRASHED") or time.monotonic() > deadline:
             raise RuntimeError(f"the long run ended {state}; see {worker_log}")
         time.sleep(3)
+    # the README's extend (the deployment's default config is sent along and not used), then a start
+    # of the same id, refused: Cancelled with the reason, not a red Failed
+    ext = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": {
+        "run_id": run_id, "storage": root, "resume": True, "overrides": [f"grpo.max_num_steps={steps + 2}"]}})["id"]
+    _wait_state(api, ext, "COMPLETED", worker_log)
+    refused = _api(api, f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"run_id": run_id, "storage": root}})["id"]
+    _wait_state(api, refused, "CANCELLED", worker_log)
+    print(f"[tour] extended to {steps + 2} steps ({_flow_run(api, ext)['name']}); a second start refused: "
+          f"{_flow_run(api, refused)['name']} {_flow_run(api, refused)['state_type']}", flush=True)
     runs = _api(api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"run:{run_id}"]}}, "limit": 200})
     subs = _api(api, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [fid]}}, "limit": 200})
     arts = _api(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [fid]}}, "limit": 200})
     print(f"[tour] long run: {steps} steps, flow run {_flow_run(api, fid)['name']} (3 attempts), "
           f"{len({r['id'] for r in runs + subs})} flow runs, {len([a for a in arts if a.get('key')])} keyed artifact versions", flush=True)
     shoot(f"{ui}/runs", os.path.join(out, "runs-list-long.png"), height=1400)
+    shoot(f"{ui}/runs?tags={urllib.parse.quote('flow:' + run_id)}", os.path.join(out, "runs-filtered-long.png"), height=900)
+    shoot(f"{ui}/dashboard", os.path.join(out, "dashboard-long.png"), height=1200)
     shoot(f"{ui}/runs/flow-run/{fid}", os.path.join(out, "flow-run-long.png"), height=1400)
     shoot(f"{ui}/runs/flow-run/{fid}?tab=Artifacts", os.path.join(out, "artifacts-long.png"), height=1400)
     aid = _artifact_id(api, artifact_key(run_id, "summary"))

@@ -268,6 +268,8 @@ class RunLease:
         self.flow_run_id = flow_run_id
         self.on_lost = on_lost
         self._holder: Optional[LeaseHolder] = None
+        #: the holder this process took the lease from (its last heartbeat: when it was last seen alive)
+        self.taken_from: Optional[LeaseHolder] = None
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -349,6 +351,7 @@ class RunLease:
                     log.log(logging.INFO if current.released else logging.WARNING,
                             "run lease %s: took over from %s", self.prefix_uri, current.describe(now))
                 self._holder = holder
+                self.taken_from = current
                 self._lost.clear()
                 self._prune(holder.generation)
                 return holder

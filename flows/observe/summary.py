@@ -91,7 +91,8 @@ def _clock(unix: Any) -> str:
 
 def history_markdown(history: Sequence[Mapping[str, Any]], rows: int = HISTORY_ROWS) -> list[str]:
     """The run's history (``status.json`` ``history``, :mod:`flows.run.history`) as markdown lines:
-    one row per flow of the run (the newest ``rows``), what it did, when (UTC) and how it ended."""
+    one row per flow of the run (the newest ``rows``), what it did, when (UTC) and how it ended (a
+    killed flow: ``after <its last heartbeat>``, when it was last seen alive)."""
     if not history:
         return []
     out = ["", f"**History** ({len(history)} flow run(s) of this run{', the last ' + str(rows) if len(history) > rows else ''}, UTC):", "",
@@ -104,8 +105,9 @@ def history_markdown(history: Sequence[Mapping[str, Any]], rows: int = HISTORY_R
         outcome = e.get("outcome") or "running"
         if e.get("error"):
             outcome += f": {str(e['error'])[:60]}"
+        ended = _clock(e["ended_unix"]) if e.get("ended_unix") else f"after {_clock(e['last_seen_unix'])}" if e.get("last_seen_unix") else "-"
         out.append(f"| {e.get('attempt', '?')} | {e.get('kind', '?')} | {_clock(e.get('started_unix'))} | "
-                   f"{_clock(e['ended_unix']) if e.get('ended_unix') else '-'} | {outcome.replace('|', '/')} | "
+                   f"{ended} | {outcome.replace('|', '/')} | "
                    f"{e.get('trained', '-')} | {restored} | {replayed} |")
     return out
 

@@ -50,14 +50,16 @@ def attempt_kind(previous: Mapping[str, Any], flow_run_id: str | None, *, max_st
 
 def begin_attempt(
     previous: Mapping[str, Any], *, kind: str, flow_run_id: str | None, max_steps: int, previous_outcome: str | None = None,
+    previous_last_seen: float | None = None,
     trained: int | None = None, restore_from: int | None = None, replay: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """The history with this flow's entry appended (see the module docstring); the previous
     flow's entry, when left open, is closed with ``previous_outcome`` (``crashed``: its process
-    is gone; ``taken over``) when one is given."""
+    is gone; ``taken over``) when one is given, and ``previous_last_seen`` (its lease's last
+    heartbeat: it ended after that, unseen)."""
     history = [dict(e) for e in previous.get("history") or []]
     if history and previous_outcome and "outcome" not in history[-1]:
-        history[-1].update(outcome=previous_outcome, ended_unix=None)
+        history[-1].update(outcome=previous_outcome, ended_unix=None, last_seen_unix=previous_last_seen)
     attempt = int(history[-1].get("attempt", len(history))) + 1 if history else 1
     entry: dict[str, Any] = {"attempt": attempt, "kind": kind, "flow_run_id": flow_run_id,
                              "started_unix": round(time.time(), 3), "max_steps": max_steps}

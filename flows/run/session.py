@@ -233,8 +233,10 @@ class RunSession:
         kind = attempt_kind(self.previous, self.flow_run_id, max_steps=max_steps)
         # the previous flow's entry, left open: its process is gone (crashed) or it was taken over
         was = "crashed" if alive is False else "taken over" if self.intent.take_over else None
+        gone = getattr(self.lease, "taken_from", None)  # the lease holder this flow took over: its last heartbeat
         self.history = begin_attempt(
             self.previous, kind=kind, flow_run_id=self.flow_run_id, max_steps=max_steps, previous_outcome=was,
+            previous_last_seen=gone.heartbeat_at if gone is not None and not gone.released else None,
             trained=facts.last_trained if facts is not None else None,
             restore_from=plan.restore_from if plan is not None else None, replay=plan.replay if plan is not None else (),
         )

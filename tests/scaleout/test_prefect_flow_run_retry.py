@@ -118,6 +118,51 @@ def _artifact_keys(stack: PrefectStack, flow_run_id: str) -> list[str]:
     return [a.key for a in asyncio.run(go()) if a.key]
 
 
+def _readme_extend_command(root: str, run_id: str) -> list[str]:
+    """The README's "extend a finished run" command (its two lines), with this test's storage
+    root and run id; one step more than the test's run."""
+    import shlex
+
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    start = text.index("prefect deployment run grpo/grpo-train -p storage=$PWD/runs -p run_id=second -p resume=true")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip("\\").strip())
+        if not line.endswith("\\"):
+            break
+    cmd = " ".join(lines).replace("$PWD/runs", root).replace("run_id=second", f"run_id={run_id}")
+    cmd = cmd.replace("grpo.max_num_steps=30", f"grpo.max_num_steps={STEPS + 1}")
+    argv = shlex.split(cmd)
+    assert argv[:3] == ["prefect", "deployment", "run"] and "--watch" in argv, argv
+    return [PREFECT, *argv[1:]]
+
+
+def _own_flow_runs(stack: PrefectStack, run_id: str) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async def go():
+        async with stack.client() as c:
+            return await c.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"flow:{run_id}"])),
+                                          sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=50)
+
+    return asyncio.run(go())
+
+
+def _latest_summary(stack: PrefectStack, run_id: str) -> str:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.observe.artifacts import artifact_key
+
+    async def go():
+        async with stack.client() as c:
+            return await c.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_id, "summary")])))
+
+    arts = asyncio.run(go())
+    assert len(arts) == 1, arts
+    return arts[0].data
+
+
 def _committed(run_dir: str, step: int) -> list[str]:
     d = os.path.join(run_dir, "steps", f"step_{step:06d}")
     return [x for x in DATASETS if os.path.exists(os.path.join(d, x, "_manifest.json"))]
@@ -209,6 +254,23 @@ def test_prefect_flow_run_retry_resumes_a_crashed_then_failed_run(tmp_path, tiny
             assert states == ["SCHEDULED", "CRASHED", "SCHEDULED", "FAILED", "SCHEDULED", "COMPLETED"], states
             logs = "\n".join(stack.flow_run_logs(fid))
             keys = _artifact_keys(stack, fid)
+            # what the retries left, before the extension below adds step 5
+            ck_uri = os.path.join(run_dir, "checkpoints", "step_000002")
+            snap3, ck2_after, metrics_after = _files(os.path.join(run_dir, "steps")), _files(ck_uri), _metrics_steps(run_dir)
+            status_after, checksums_after = _status(run_dir), _train_checksums(run_dir)
+            weights_after = _weights(run_dir, STEPS)
+
+            # the README's extend command, verbatim but for the storage root and run id, on this run
+            # started with a non-default config and overrides (was: refused, the deployment sends its own config)
+            out = run(_readme_extend_command(root, run_id), stack.env, timeout=900)
+            assert _metrics_steps(run_dir) == list(range(1, STEPS + 2)), out[-3000:]
+            assert _status(run_dir)["status"] == "completed" and _status(run_dir)["last_step"] == STEPS + 1
+            # a second start of the same id: refused, and it reads as refused, not a red Failed
+            refused = _start_run(stack, {"run_id": run_id, "storage": root})
+            gone = stack.wait_flow_run(refused, {"CANCELLED", "FAILED", "COMPLETED", "CRASHED"}, timeout_s=600)
+            assert gone.state.type.name == "CANCELLED" and "refused: run" in gone.state.message, gone.state
+            own = _own_flow_runs(stack, run_id)  # the one filter docs/ui.md documents
+            summary = _latest_summary(stack, run_id)
         except BaseException:
             print(stack.worker_logs(8000))
             raise
@@ -220,19 +282,30 @@ def test_prefect_flow_run_retry_resumes_a_crashed_then_failed_run(tmp_path, tiny
     # the retries updated the artifacts the first attempt made: one card of each kind in the flow run's Artifacts tab
     assert sorted(keys) == sorted(f"nrl-{run_id}-{k}" for k in ("metrics", "progress", "rollouts", "summary")), keys
     # each retry restored checkpoint 2 in a fresh Ray and replayed step 3 from its batches
-    ck_uri = os.path.join(run_dir, "checkpoints", "step_000002")
     assert logs.count(f"restored checkpoint {ck_uri}") == 2, logs[-4000:]
     assert logs.count("replayed train of step 3 from persisted batches") == 2, logs[-4000:]
     # nothing committed was rewritten; only step 4's train is new
-    snap3 = _files(os.path.join(run_dir, "steps"))
     assert _rewritten(snap2, snap3) == []
     assert _new_commits(snap2, snap3) == ["step_000004/train"]
-    assert _files(ck_uri) == ck2
+    assert ck2_after == ck2
     # one metrics line per step; the weights of every step equal the uninterrupted run's
-    assert _metrics_steps(run_dir) == list(range(1, STEPS + 1))
-    status = _status(run_dir)
+    assert metrics_after == list(range(1, STEPS + 1))
+    status = status_after
     assert status["status"] == "completed" and status["flow_run_id"] == fid and status["last_step"] == STEPS, status
     assert sorted(os.listdir(root)) == sorted([run_id, "reference"])
     ref_dir = os.path.join(root, "reference")
-    assert _train_checksums(run_dir) == _train_checksums(ref_dir)
-    assert _weights(run_dir, STEPS) == _weights(ref_dir, STEPS) and _weights(run_dir, STEPS)
+    assert checksums_after == _train_checksums(ref_dir)
+    assert weights_after == _weights(ref_dir, STEPS) and weights_after
+
+    # read back from Prefect's API after start -> SIGKILL -> retry -> failed -> retry -> extend -> refused start:
+    # the run's own flow runs (tag flow:<run_id>): unique names saying what each did, none Failed
+    names = [r.name for r in own]
+    assert len(names) == len(set(names)) == 3, names
+    assert names[:2] == [f"{run_id}-retry-3", f"{run_id}-extend-4"] and names[2].startswith(f"{run_id}-refused-"), names
+    assert [r.state.type.name for r in own] == ["COMPLETED", "COMPLETED", "CANCELLED"], [(r.name, r.state) for r in own]
+    # the final summary (the extension's): every flow of the run closed with its end time, the last completed
+    history = summary.split("**History**", 1)[1]
+    rows = [ln for ln in history.splitlines() if ln.startswith("| ") and ln.split("|")[1].strip().isdigit()]
+    assert len(rows) == 4, history  # start, retry, retry, extend
+    assert all(ln.split("|")[4].strip() not in ("", "-") for ln in rows), history  # every one ended
+    assert [ln.split("|")[5].strip().split(":")[0] for ln in rows] == ["crashed", "failed", "completed", "completed"], history
