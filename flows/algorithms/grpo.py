@@ -91,7 +91,7 @@ class GRPORecipe:
         g = cfg.grpo
         if step == 0:
             return bool(g.val_at_start and g.val_period)
-        return bool(g.val_period and step % g.val_period == 0)
+        return bool(g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
 
     def retries(self, cfg: MasterConfig) -> Retries:
         g = cfg.grpo

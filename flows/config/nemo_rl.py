@@ -4,7 +4,7 @@ A key of NeMo-RL's config files is either
 
 - **honoured**: the schema (:mod:`nrl_tasks.config`) takes it by the same name with the same meaning;
   a rule below may also honour a key *as off*: NeMo-RL's value that turns its feature off is what
-  happens here anyway (``grpo.overlong_filtering: false``), and any other value is refused;
+  happens here anyway (``grpo.val_start_at: -1``), and any other value is refused;
 - **mapped**: a different mechanism here has the same effect (the rule says which); the value
   moves to the key named (``grpo.adv_estimator.normalize_rewards`` -> ``grpo.normalize_rewards``),
   is converted in place (``checkpointing.metric_name: val:accuracy`` -> ``val_accuracy``) or is
@@ -113,16 +113,11 @@ RULES: tuple[Rule, ...] = (
     # ---- grpo
     Rule("grpo.max_num_epochs", "refused", _PER_ALGO_EPOCHS.format(a="grpo"), OFF_NULL),
     Rule("grpo.val_start_at", "refused", "delayed periodic validation is not implemented", off_is(-1, None)),
-    Rule("grpo.val_at_end", "refused", "validation after the last step is not implemented", OFF_FALSE),
-    Rule("grpo.overlong_filtering", "refused", "overlong filtering is not implemented", OFF_FALSE),
-    Rule("grpo.advantage_clip_low", "refused", "advantage clipping is not implemented", OFF_NULL),
-    Rule("grpo.advantage_clip_high", "refused", "advantage clipping is not implemented", OFF_NULL),
     Rule("grpo.val_num_generations_per_prompt", "refused",
          "validation scores one greedy response per prompt here (`nrl eval --num-samples K` gives pass@k)", off_is(1)),
     Rule("grpo.stop_at_validation_metric", "refused", "early stopping on a validation metric is not implemented "
          "(a pipeline stage's `gate` stops before the next stage)", OFF_NULL),
     Rule("grpo.stop_at_validation_threshold", "refused", "early stopping on a validation metric is not implemented", OFF_NULL),
-    Rule("grpo.reward_scaling", "refused", "reward scaling is not implemented", OFF_DISABLED),
     Rule("grpo.seq_logprob_error_threshold", "refused", "the sequence logprob-error filter is not implemented", OFF_NULL),
     Rule("grpo.invalid_tool_call_advantage", "refused", "tool-call advantages are not implemented", OFF_NULL),
     Rule("grpo.malformed_thinking_advantage", "refused", "<think>-tag advantages are not implemented", OFF_NULL),

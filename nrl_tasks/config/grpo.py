@@ -3,7 +3,7 @@ reward-shaping subsections) and ``warm_start``. Keys keep NeMo-RL's names where 
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
 from nrl_tasks.config.advantages import AdvEstimatorConfig
@@ -14,7 +14,7 @@ from nrl_tasks.config.bounds import (  # the maxima, named (``le=`` below) and c
 )
 from nrl_tasks.stages.errors import DEFAULT_STAGE_RETRIES, DEFAULT_STAGE_RETRY_DELAY_S
 
-__all__ = ["GRPOConfig", "RefitConfig", "WarmStartConfig"]
+__all__ = ["GRPOConfig", "RefitConfig", "RewardScalingConfig", "WarmStartConfig"]
 
 
 class RefitConfig(Section):
@@ -30,6 +30,23 @@ class RefitConfig(Section):
     _delays = field_validator("retry_delay_s")(check_delays)
 
 
+class RewardScalingConfig(Section):
+    """NeMo-RL's ``grpo.reward_scaling``: each valid reward clamped to ``[source_min, source_max]``,
+    then mapped linearly onto ``[target_min, target_max]`` (before reward shaping and advantages)."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _range(self) -> "RewardScalingConfig":
+        if self.enabled and not self.source_max > self.source_min:
+            raise ValueError(f"grpo.reward_scaling.source_max ({self.source_max}) must exceed source_min ({self.source_min})")
+        return self
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(8, ge=1, le=MAX_PROMPTS, description="<= 65536")
     num_generations_per_prompt: int = Field(
@@ -40,6 +57,14 @@ class GRPOConfig(Section):
     use_leave_one_out_baseline: bool = True
     val_period: int = Field(0, ge=0, le=MAX_STEPS, description="validate every N steps (0: never)")
     val_at_start: bool = False
+    val_at_end: bool = Field(False, description="NeMo-RL's key: also validate after the run's last step")
+    overlong_filtering: bool = Field(
+        False, description="NeMo-RL's key: truncated responses (they hit the token limit) count in their group's "
+        "baseline but not in the loss (sample mask 0)",
+    )
+    advantage_clip_low: float | None = Field(None, description="NeMo-RL's key: advantages below are clamped to it")
+    advantage_clip_high: float | None = Field(None, description="NeMo-RL's key: advantages above are clamped to it")
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     max_val_samples: int = Field(32, ge=1, le=MAX_DATASET_ROWS, description="<= 10**8")
     val_batch_size: int = Field(32, ge=1, le=MAX_ROWS, description="<= 2**20")
     seed: int = Field(42, ge=INT64[0], le=INT64[1], description="any 64-bit signed integer")
@@ -78,6 +103,13 @@ class GRPOConfig(Section):
     )
 
     _delays = field_validator("stage_retry_delay_s")(check_delays)
+
+    @model_validator(mode="after")
+    def _clip_bounds(self) -> "GRPOConfig":
+        lo, hi = self.advantage_clip_low, self.advantage_clip_high
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"grpo.advantage_clip_low ({lo}) exceeds grpo.advantage_clip_high ({hi})")
+        return self
 
 
 class WarmStartConfig(Section):

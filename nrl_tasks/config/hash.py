@@ -31,7 +31,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
     "sft": {"max_num_steps"},
-    "env": {"num_workers"},  # how many actors run the environment, not what it answers
+    "env": {"num_workers", "step_timeout_s"},  # how many actors run the environment and how long it may take, not what it answers
 }
 
 
@@ -43,6 +43,7 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "batch_multiplier"),
     ("grpo", "dynamic_sampling_max_gen_batches"),
     ("grpo", "max_rollout_turns"),
+    *(("grpo", k) for k in ("val_at_end", "overlong_filtering", "advantage_clip_low", "advantage_clip_high", "reward_scaling")),
     ("env", "environment"),
     ("env", "environment_kwargs"),
     ("policy", "share_prompt_prefix"),

@@ -10,7 +10,10 @@ A group is the ``num_generations_per_prompt`` rows sharing a ``group_id``.
   float32 per token; with ``loss_fn.use_kl_in_reward`` the stage also reads the step's
   ``logprobs`` (the KL of ``prev_logprobs`` to ``reference_policy_logprobs`` goes into the reward).
 
-Also ``sample_mask [B]`` float32 (0 for samples whose reward is invalid) and, when the loss adds
+NeMo-RL's ``grpo.advantage_clip_low`` / ``advantage_clip_high`` clamp the advantages after that.
+
+Also ``sample_mask [B]`` float32 (0 for samples whose reward is invalid, and with
+``grpo.overlong_filtering`` for truncated ones) and, when the loss adds
 VAPO's positive-example NLL (``loss_fn.positive_example_nll_weight > 0``), ``rewards [B]``.
 """
 
@@ -45,8 +48,10 @@ def compute_advantages(
     loss_cfg: ClippedPGLossConfig | None = None,
     token_mask: torch.Tensor | None = None,
     logprobs: Any = None,
+    truncated: torch.Tensor | None = None,
 ) -> BatchedDataDict:
-    """``{"advantages" [B] or [B, S], "sample_mask" [B]}`` (float32; see the module docstring)."""
+    """``{"advantages" [B] or [B, S], "sample_mask" [B]}`` (float32; see the module docstring);
+    ``truncated [B]``: the rollouts' flag, read with ``grpo.overlong_filtering``."""
 
     est = getattr(grpo_cfg, "adv_estimator", None)
     if est is not None and est.name == "reinforce_plus_plus":
@@ -75,7 +80,14 @@ def compute_advantages(
             normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
             std_epsilon=est.std_epsilon if est is not None else 1e-6,
         ).to(torch.float32)
-    out = {"advantages": adv, "sample_mask": valid.to(torch.float32)}
+    if grpo_cfg.advantage_clip_low is not None or grpo_cfg.advantage_clip_high is not None:
+        adv = adv.clamp(min=grpo_cfg.advantage_clip_low, max=grpo_cfg.advantage_clip_high)  # after normalisation, as NeMo-RL
+    mask = valid.to(torch.float32)
+    if grpo_cfg.overlong_filtering:  # truncated samples: in their group's baseline above, out of the loss
+        if truncated is None:
+            raise ValueError("grpo.overlong_filtering needs the rollouts' truncated column")
+        mask = mask * (~truncated.to(torch.bool)).to(torch.float32)
+    out = {"advantages": adv, "sample_mask": mask}
     if loss_cfg is not None and loss_cfg.positive_example_nll_weight > 0:
         out["rewards"] = torch.where(valid.bool(), rewards.to(torch.float32), torch.zeros_like(rewards, dtype=torch.float32))
     return BatchedDataDict(out)
@@ -98,6 +110,7 @@ def advantages(ctx: StepContext, rollouts: DatasetRef, rewards: DatasetRef, logp
         out = compute_advantages(
             groups, r, valid, cfg.grpo, loss_cfg=cfg.loss_fn,
             token_mask=inputs["rollouts"]["token_mask"] if per_token else None, logprobs=inputs.get("logprobs"),
+            truncated=inputs["rollouts"]["truncated"] if cfg.grpo.overlong_filtering else None,
         )
         mixed = sum(int(r[groups == g].unique().numel() > 1) for g in groups.unique().tolist())
         figures = {"groups_with_signal": mixed, "advantage_abs_mean": float(out["advantages"].double().abs().mean())}

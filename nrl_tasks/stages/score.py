@@ -7,6 +7,9 @@ NaN/inf, beyond float32 range, not numbers, or come from a raising function are 
 (``reward_valid`` False) and counted in the manifest (``invalid_rewards``) instead of ending
 the run.
 
+With ``grpo.reward_scaling.enabled`` the valid rewards are clamped and mapped linearly (NeMo-RL's
+key), before the shaping below.
+
 Output columns: ``rewards [B]`` float32, ``reward_valid [B]`` bool. With
 ``grpo.reward_shaping.enabled`` (DAPO's soft overlong punishment,
 :mod:`nrl_tasks.algorithms.reward_shaping`) ``rewards`` holds the shaped reward and
@@ -34,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.data import EnvConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["NoValidRewardError", "check_some_reward_valid", "compute_rewards", "environment_rewards", "reward_function", "score"]
+__all__ = ["NoValidRewardError", "check_some_reward_valid", "compute_rewards", "scale_rewards", "environment_rewards", "reward_function", "score"]
 
 _log = logging.getLogger(__name__)
 
@@ -85,6 +88,17 @@ def environment_rewards(ctx: StepContext, rollouts: BatchedDataDict) -> tuple[to
     return torch.where(valid, rewards, torch.zeros_like(rewards)), valid, figures
 
 
+def scale_rewards(rewards: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """``grpo.reward_scaling``: clamp to ``[source_min, source_max]``, map onto ``[target_min, target_max]``.
+
+    >>> from nrl_tasks.config.grpo import RewardScalingConfig
+    >>> scale_rewards(torch.tensor([-1.0, 0.0, 0.5, 2.0]), RewardScalingConfig(enabled=True, target_min=-1.0)).tolist()
+    [-1.0, -1.0, 0.0, 1.0]
+    """
+    r = rewards.to(torch.float64).clamp(cfg.source_min, cfg.source_max)
+    return (cfg.target_min + (r - cfg.source_min) / (cfg.source_max - cfg.source_min) * (cfg.target_max - cfg.target_min)).to(rewards.dtype)
+
+
 class NoValidRewardError(ValueError):
     """Too many consecutive steps without one valid reward: the run learns nothing (not an actor
     fault; fix the reward source, then resume)."""
@@ -131,6 +145,9 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
             logger = _logger()
             for e in errors:
                 logger.warning("step %d reward: %s", ctx.step, e)
+        scaling = ctx.cfg.grpo.reward_scaling
+        if scaling.enabled:  # NeMo-RL's order: scaled first, then shaped, then advantages
+            rewards = torch.where(valid, scale_rewards(rewards, scaling), rewards)
         n_valid = int(valid.sum())
         if n_valid == 0 and ctx.gen_batch is None:
             check_some_reward_valid(ctx, int(valid.numel()), errors)

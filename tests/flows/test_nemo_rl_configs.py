@@ -106,8 +106,8 @@ def test_grpo_math_1b_without_the_overrides_names_what_is_refused_and_why():
     "override, needle",
     [
         ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg: Megatron-Core training is not available here"),
-        ("grpo.overlong_filtering=true", "grpo.overlong_filtering: overlong filtering is not implemented"),
-        ("grpo.advantage_clip_low=-1.0", "grpo.advantage_clip_low"),
+        ("grpo.val_start_at=5", "grpo.val_start_at: delayed periodic validation is not implemented"),
+        ("grpo.stop_at_validation_threshold=0.5", "grpo.stop_at_validation_threshold"),
         ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dropout_position"),  # post, dropout>0
         ("grpo.adv_estimator.normalize_rewards=false", "grpo.adv_estimator.normalize_rewards: False disagrees with "
                                                        "grpo.normalize_rewards (True)"),
@@ -120,6 +120,16 @@ def test_a_value_that_turns_on_what_is_not_built_is_refused_by_name(override, ne
     with pytest.raises(ConfigError) as err:
         load_config(path, COMMON + BY_KIND["grpo"] + [override] + extra)
     assert needle in str(err.value)
+
+
+def test_grpo_keys_implemented_since_are_honoured_from_nemo_rl_files():
+    path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
+    cfg = load_config(path, COMMON + BY_KIND["grpo"] + [
+        "grpo.overlong_filtering=true", "grpo.advantage_clip_low=-1.0", "grpo.advantage_clip_high=2.0",
+        "grpo.val_at_end=true", "grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1"])
+    g = cfg.grpo
+    assert g.overlong_filtering and (g.advantage_clip_low, g.advantage_clip_high) == (-1.0, 2.0) and g.val_at_end
+    assert g.reward_scaling.enabled and g.reward_scaling.target_min == -1.0
 
 
 def test_mapped_keys_take_effect_here():
