@@ -262,9 +262,9 @@ def publish_step(
     """The step's ``metrics.jsonl`` line (the recipe's; unless ``plan.write_line`` is off;
     ``extra`` figures added to it), console line, artifacts and tracker curves
     (:mod:`flows.observe.trackers`), the last two published in the background by ``publisher``
-    into ``artifacts`` (the flow run's, updated in place; none without them). ``log``: the logger
-    of the run's flow run (its log gets the step line also when the step ran in a subflow;
-    default: the current run's)."""
+    into ``artifacts`` (the flow run's, updated in place; none without them). The step line goes
+    to the current flow run's log (the step's subflow) and to ``log``, the logger of the run's
+    flow run, when that is another."""
     run, cfg = ctx.run, ctx.cfg
     row = None
     if plan.write_line:
@@ -281,7 +281,10 @@ def publish_step(
                 for kind, markdown in recipe.publish_extra(ctx, refs):  # e.g. GRPO's best and worst rollouts
                     publisher.submit(artifacts.keyed(kind, kind.replace("_", " ")).publish, markdown)
         line = recipe.console_line(run.run_id, row, plan.max_steps)
-        (log or get_run_logger()).info(line)
+        here = get_run_logger()  # the step's subflow, when it runs in one: its page shows its steps' lines
+        here.info(line)
+        if log is not None and getattr(log, "extra", None) != getattr(here, "extra", None):
+            log.info(line)  # and the run's own flow run
         if cfg.logger.console:
             print(line, flush=True)
     if cfg.logger.artifacts and publisher is not None and artifacts is not None:

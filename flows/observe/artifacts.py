@@ -273,13 +273,15 @@ class SummaryHandle(KeyedArtifact):
 
     def created(self) -> None:
         """One line in the flow run's log (its page opens on the logs) with the summary's page in
-        the Prefect UI (V2's ``/artifacts/key/<key>``: always the latest), when a UI URL is known."""
+        the Prefect UI, when a UI URL is known: the artifact itself (``/artifacts/artifact/<id>``,
+        updated in place, so the link always shows the latest content, not a list of versions)."""
         from prefect import get_run_logger
         from prefect.settings import get_current_settings
 
         ui = get_current_settings().ui_url
-        if ui:
-            get_run_logger().info("summary of run %s (updated every step): %s", self.run_id, ui_page_url(ui, f"artifacts/key/{self.key}"))
+        if ui and self.artifact_id is not None:
+            get_run_logger().info("summary of run %s (updated every step): %s", self.run_id,
+                                  ui_page_url(ui, f"artifacts/artifact/{self.artifact_id}"))
 
 
 class RunArtifacts:
