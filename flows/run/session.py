@@ -349,7 +349,8 @@ def run_session(
                     # killed in its SFT is then `nrl runs`-listed and resumed like any run
                     init_run(layout, saved_form(cfg), resume=False, flow_run_id=fid)
                     write_status(layout, opts, status="running", algorithm=recipe.kind, flow_run_id=fid,
-                                 flow_process=current_process())
+                                 flow_process=current_process(),
+                                 history=begin_attempt({}, kind="start", flow_run_id=fid, max_steps=recipe.budget(cfg)))
                 cfg = configure(cfg)
             # a new run whose id exists is refused, unless it is the same Prefect flow run retrying
             restartable = intent.restartable and fs.exists(layout.config_uri, storage_options=opts)

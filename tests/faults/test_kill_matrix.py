@@ -2,13 +2,15 @@
 ``NRL_FAULT_KILL_AT``), then resumed with ``nrl resume``: the run ends with the weights of the
 uninterrupted reference run (``e2e_run``: same config and seed), bit for bit.
 
-For each stage, one run is killed twice: entering the stage (``before``: the boundary after the
-previous stage) and with its work done but its output not committed (``during``; for ``refit``:
-while the actors stream), on different steps; the actors survive the first kill (a Ray cluster outliving the flow: resume re-attaches and
-verifies them) and are killed with the second (a local Ray dying with the flow: resume restores
-the last checkpoint and replays the persisted ``train`` stages). ``train@2:after`` (between
+Each stage is killed twice: entering the stage (``before``: the boundary after the previous
+stage) and with its work done but its output not committed (``during``; for ``refit``: while the
+actors stream), on different steps. Two stages share a run (:data:`PAIRS`: four kills in run
+order, then a resume that finishes); the actors survive the first and third kill (a Ray cluster
+outliving the flow: resume re-attaches and verifies them) and are killed with the second and the
+fourth (a local Ray dying with the flow: resume restores the last checkpoint and replays the
+persisted ``train`` stages). ``train@2:after`` (between
 ``train`` and ``refit``) and ``checkpoint@3:during`` are covered by ``tests/flows/test_resume.py``
-in the fast suite. The ``advantages`` case runs with ``storage.fsync=false`` (no fsyncs: still
+in the fast suite. The ``advantages`` + ``checkpoint`` run goes with ``storage.fsync=false`` (no fsyncs: still
 consistent across killed processes, the page cache survives them).
 
 Invariant: a stage's output is committed (manifest written last) or absent; every resume
@@ -41,32 +43,44 @@ POINTS = {
     "checkpoint": ("checkpoint@2:before", "checkpoint@3:during"),
 }
 
+#: two stages a run: their four kills interleaved in run order (a1, b1, a2, b2), none inside a stage
+#: that runs beside the previous point's (score and logprob overlap, so they are not paired)
+PAIRS = [("prompts", "generate"), ("score", "train"), ("logprob", "refit"), ("advantages", "checkpoint")]
 
-#: ``storage.fsync=false`` keeps datasets consistent across killed processes: one stage's case runs without fsyncs
-CASES = [pytest.param(stage, stage != "advantages", id=stage if stage != "advantages" else "advantages-nofsync")
-         for stage in POINTS]
+#: ``storage.fsync=false`` keeps datasets consistent across killed processes: one run goes without fsyncs
+CASES = [pytest.param(a, b, a != "advantages", id=f"{a}+{b}" if a != "advantages" else f"{a}+{b}-nofsync") for a, b in PAIRS]
+
+
+def test_the_pairs_cover_every_stage_once_in_run_order():
+    assert sorted(s for pair in PAIRS for s in pair) == sorted(POINTS)
+    for a, b in PAIRS:
+        (a1, a2), (b1, b2) = POINTS[a], POINTS[b]
+        steps = [int(p.split("@")[1].split(":")[0]) for p in (a1, b1, a2, b2)]
+        assert steps == sorted(steps), (a, b)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,fsync", CASES)
+@pytest.mark.parametrize("first,second,fsync", CASES)
 def test_flow_killed_at_stage_then_resumed(
-    stage, fsync, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path
+    first, second, fsync, e2e_run, prefect_harness, ray_session, tiny_model_dir, tmp_path
 ):
     baseline = e2e_run["root"]
     root = str(tmp_path / "runs")
-    run_id = f"kill-{stage}" if fsync else f"kill-{stage}-nofsync"
+    run_id = f"kill-{first}-{second}" if fsync else f"kill-{first}-{second}-nofsync"
     cfg = tiny_run_config(tiny_model_dir, root, ray_session)
     cfg.setdefault("storage", {})["fsync"] = fsync
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    first, second = POINTS[stage]
+    (a1, a2), (b1, b2) = POINTS[first], POINTS[second]
     killed = -signal.SIGKILL
     try:
-        p = run_nrl(["grpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness, kill_at=first)
-        assert p.returncode == killed, (first, p.stderr[-3000:])
-        p = run_nrl(["resume", run_id, "--storage", root], prefect_harness, kill_at=second)
-        assert p.returncode == killed, (second, p.stderr[-3000:])
-        kill_run_actors(run_id)  # the second time the actors go with the flow process
+        p = run_nrl(["grpo", "--config", str(cfg_path), "--run-id", run_id], prefect_harness, kill_at=a1)
+        assert p.returncode == killed, (a1, p.stderr[-3000:])
+        for n, point in enumerate((b1, a2, b2), start=2):
+            p = run_nrl(["resume", run_id, "--storage", root], prefect_harness, kill_at=point)
+            assert p.returncode == killed, (point, p.stdout[-2000:] + p.stderr[-3000:])
+            if n % 2 == 0:  # kills 1 and 3: the actors outlive the flow; 2 and 4: they go with it
+                kill_run_actors(run_id)
         p = run_nrl(["resume", run_id, "--storage", root], prefect_harness)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     finally:
