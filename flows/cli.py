@@ -336,7 +336,8 @@ def runs(*, storage: str = "./runs") -> int:
 def check(config: str, *overrides: Overrides, resolved: Flag = False) -> int:
     """Load a config (NeMo-RL's `defaults:` chains and `${...}` interpolations too), apply the overrides,
     resolve and validate it as `nrl train` would, without starting or writing anything: prints its
-    algorithm and the resolved config's hash (exit 0), or every problem (exit 2).
+    algorithm, the resolved config's hash and what became of its keys (honoured, mapped, ignored:
+    docs/nemo_rl_keys.md) (exit 0), or every problem (exit 2).
 
     Args:
         config: YAML config
@@ -355,6 +356,11 @@ def check(config: str, *overrides: Overrides, resolved: Flag = False) -> int:
     except ValueError as exc:
         return _error(str(exc))
     print(f"{config}: a valid {recipe.kind.upper()} config, hash {config_hash(cfg)}")
+    from flows.config.compose import resolve_interpolations
+    from flows.config.nemo_rl import fate_lines
+
+    for line in fate_lines(resolve_interpolations(read_config_data(config, overrides), config)):
+        print(line)
     if resolved:
         print(config_to_yaml(cfg), end="")
     return 0

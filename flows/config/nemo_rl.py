@@ -34,7 +34,7 @@ from flows.config.compose import compose_file, resolve_interpolations
 from flows.config.nemo_rl_data import KEY_FATES, map_datasets
 from nrl_tasks.config.master import MasterConfig
 
-__all__ = ["RULES", "Fate", "Rule", "Translation", "leaf_keys", "rule_for", "translate"]
+__all__ = ["RULES", "Fate", "Rule", "Translation", "fate_lines", "leaf_keys", "rule_for", "translate"]
 
 Fate = Literal["honoured", "mapped", "ignored", "refused"]
 
@@ -369,6 +369,24 @@ def _models_in(annotation: Any) -> list[type]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for a in get_args(annotation) for m in _models_in(a)]
+
+
+def fate_lines(data: Mapping[str, Any], *, shown: int = 40) -> list[str]:
+    """What became of ``data``'s keys (a config resolved with its overrides): one count line by fate,
+    then the mapped and ignored keys with how or why (``nrl check``; at most ``shown`` a fate)."""
+    out = translate(data)
+    leaves = list(leaf_keys(data))
+    moved = {k for fate in ("mapped", "ignored", "refused") for k, _ in out.fates[fate]}
+    honoured = sum(1 for k in leaves if not any(k == m or k.startswith(m + ".") for m in moved))
+    counts = {"honoured": honoured, **{f: len(out.fates[f]) for f in ("mapped", "ignored", "refused")}}
+    lines = ["keys by fate (docs/nemo_rl_keys.md): " + ", ".join(f"{n} {f}" for f, n in counts.items())]
+    for fate in ("mapped", "ignored"):
+        items = out.fates[fate]
+        for key, why in items[:shown]:
+            lines.append(f"  {fate}: {key}: {why}")
+        if len(items) > shown:
+            lines.append(f"  {fate}: ... and {len(items) - shown} more")
+    return lines
 
 
 def key_table(files: Mapping[str, Mapping[str, Any]]) -> str:

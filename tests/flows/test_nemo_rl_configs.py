@@ -10,6 +10,7 @@ import glob
 import io
 import logging
 import os
+import re
 from contextlib import redirect_stdout
 
 import pytest
@@ -87,8 +88,14 @@ def test_each_file_validates_with_the_cpu_overrides_and_nrl_check_says_so(path, 
     ignored = [r.getMessage() for r in caplog.records if "NeMo-RL keys ignored" in r.getMessage()]
     assert len(ignored) == 1 and "policy.offload_optimizer_for_logprob" in ignored[0]  # one line naming the keys
     assert cfg.checkpointing.metric_name.startswith("val_")  # NeMo-RL's val:<name>, mapped
+    capsys.readouterr()
     assert main(["check", path, *overrides]) == 0
-    assert f"a valid {_kind(path).upper()} config" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"a valid {_kind(path).upper()} config" in out
+    # the file's keys by fate: counts, then the mapped and ignored ones with how or why
+    counts = re.search(r"keys by fate \(docs/nemo_rl_keys.md\): (\d+) honoured, (\d+) mapped, (\d+) ignored, 0 refused", out)
+    assert counts and int(counts.group(1)) > 50 and int(counts.group(3)) > 0, out[:3000]
+    assert "  ignored: policy.offload_optimizer_for_logprob: " in out and "  mapped: checkpointing.metric_name: " in out
     assert os.listdir(tmp_path) == []
 
 
