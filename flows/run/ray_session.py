@@ -41,6 +41,20 @@ def _uses_local_ray(cfg: MasterConfig) -> bool:
     return not (cfg.cluster.ray.address or os.environ.get("RAY_ADDRESS"))
 
 
+def usable_gpus_per_node(cfg: MasterConfig) -> int:
+    """``cluster.gpus_per_node``, or 0 for a local Ray on a machine without a GPU: a NeMo-RL file
+    asks for GPUs (``cluster.gpus_per_node=1`` is its smallest size), and on this machine its
+    workers run on CPU instead of waiting for a GPU that never comes (one warning line)."""
+    n = cfg.cluster.gpus_per_node
+    if n and _uses_local_ray(cfg):
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            logger.warning("cluster.gpus_per_node=%d but this machine has no GPU: the workers run on CPU", n)
+            return 0
+    return n
+
+
 def check_local_ray_size(cfg: MasterConfig) -> None:
     """``ValueError`` when a local Ray would run more actor processes than this machine can hold
     (:data:`MAX_LOCAL_ACTORS_PER_CORE` per core). A cluster checks its own resources when the

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flows.config import MasterConfig
-from flows.run.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray
+from flows.run.ray_session import connect_ray, local_ray_session, ray_connected, shutdown_local_ray, usable_gpus_per_node
 from flows.run.recipe import Actors
 from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 from nrl_tasks.environments.loading import EnvironmentWorkers
@@ -82,10 +82,11 @@ class Runtime:
         name = f"{self.run_id}-{role}"
         ray_cfg = self.cfg.cluster.ray  # custom resources pin a group to the nodes that have them
         extra = {"policy": ray_cfg.policy_resources, "generation": ray_cfg.generation_resources}.get(role)
+        gpus = usable_gpus_per_node(self.cfg)
         cl = RayVirtualCluster(
             [workers],
-            use_gpus=self.cfg.cluster.gpus_per_node > 0,
-            num_gpus_per_node=self.cfg.cluster.gpus_per_node,
+            use_gpus=gpus > 0,
+            num_gpus_per_node=gpus,
             name=name,
             namespace=self.namespace,
             num_cpus_per_bundle=cpus,

@@ -28,9 +28,9 @@ FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))) + sorted(glob.glob(os
 
 # the model, data, step-count and cluster-size overrides a CPU user gives (issue 42, item 5), plus
 # what is not built yet: NeMo-RL's dataset sections (data.train/validation/default: the built-in task
-# instead), max_num_epochs, NeMo-RL's math environment; cluster.gpus_per_node=0 on a machine without GPUs
+# instead), max_num_epochs, NeMo-RL's math environment
 COMMON = ["policy.model_name=builtin:tiny", "policy.tokenizer.name=builtin:tiny", "policy.max_total_sequence_length=64",
-          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "cluster.gpus_per_node=0",
+          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "cluster.gpus_per_node=1",
           "cluster.num_nodes=1", "logger.wandb_enabled=false", "data.max_input_seq_length=32",
           "data.train=null", "data.validation=null", "data.default=null"]
 BY_KIND = {
@@ -127,6 +127,23 @@ def test_a_value_that_turns_on_what_is_not_built_is_refused_by_name(override, ne
     with pytest.raises(ConfigError) as err:
         load_config(path, COMMON + BY_KIND["grpo"] + [override] + extra)
     assert needle in str(err.value)
+
+
+def test_gpus_per_node_1_runs_on_cpu_with_a_local_ray_on_a_machine_without_a_gpu(monkeypatch, caplog):
+    import torch
+
+    from flows.run.ray_session import usable_gpus_per_node
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(os.path.join(CONFIGS, "grpo_math_1B.yaml"), COMMON + BY_KIND["grpo"] + ["cluster.ray.address=null"])
+    assert cfg.cluster.gpus_per_node == 1
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU")
+    with caplog.at_level(logging.WARNING):
+        assert usable_gpus_per_node(cfg) == 0
+    assert "cluster.gpus_per_node=1 but this machine has no GPU: the workers run on CPU" in caplog.text
+    remote = load_config(os.path.join(CONFIGS, "grpo_math_1B.yaml"), COMMON + BY_KIND["grpo"] + ["cluster.ray.address=ray://h:10001"])
+    assert usable_gpus_per_node(remote) == 1  # a cluster's GPUs are its own to report
 
 
 def test_grpo_keys_implemented_since_are_honoured_from_nemo_rl_files():
