@@ -66,9 +66,12 @@ class DPORecipe(SupervisedRecipe):
     console_figures = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
+        problems = []
         if cfg.dpo is not None and cfg.dpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
-            return [f"dpo.val_period = {cfg.dpo.val_period} needs held-out pairs: set data.val_path (a preference file)"]
-        return []
+            problems.append(f"dpo.val_period = {cfg.dpo.val_period} needs held-out pairs: set data.val_path (a preference file)")
+        if cfg.data.split_validation_size:
+            problems.append("data.split_validation_size: holding pairs out of the train file is not implemented; give data.val_path")
+        return problems
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         """The pairs a run would freeze read (a resume reads its frozen copy: not checked again)."""

@@ -27,6 +27,8 @@ and the last (bounded: :mod:`flows.observe.artifacts`), one INFO log line and a 
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,7 +47,7 @@ from flows.run.recipe import Actors, Retries
 from flows.run.recompute import check_resume_data
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.context import RunContext, StepContext
-from nrl_tasks.stages.data import snapshot_records
+from nrl_tasks.stages.data import load_prompt_records, snapshot_records
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.graph import GRPO_GRAPH
 from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
@@ -85,7 +87,12 @@ class GRPORecipe:
     summary = GRPO_FIELDS
 
     def budget(self, cfg: MasterConfig) -> int:
-        return cfg.grpo.max_num_steps
+        """``grpo.max_num_steps``, or fewer: ``max_num_epochs`` passes over the train prompts (NeMo-RL's
+        ``max_num_epochs * len(dataloader)``, the dataloader dropping a last partial batch)."""
+        g = cfg.grpo
+        if g.max_num_epochs is None:
+            return g.max_num_steps
+        return min(g.max_num_steps, g.max_num_epochs * (train_prompt_count(cfg) // g.num_prompts_per_step))
 
     def validation_due(self, cfg: MasterConfig, step: int) -> bool:
         g = cfg.grpo
@@ -107,6 +114,15 @@ class GRPORecipe:
         check_recompute_config(specs, cfg)
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
+        g = cfg.grpo
+        if g.max_num_epochs is not None:
+            try:
+                n = train_prompt_count(cfg)
+            except (OSError, ValueError):
+                return []  # the data check names the file
+            if n < g.num_prompts_per_step:
+                return [f"grpo.max_num_epochs={g.max_num_epochs}: the train split's {n} prompts make no step of "
+                        f"grpo.num_prompts_per_step={g.num_prompts_per_step} (NeMo-RL drops a last partial batch)"]
         return []
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
@@ -171,6 +187,19 @@ class GRPORecipe:
         md = rollouts_markdown(ctx.run_id, ctx.step, r["prompt"], r["response"], r["answer"], rw["rewards"].tolist(), n=n,
                                conversations=r["message_log"] if convo else None)
         return [("rollouts", md)]
+
+
+def train_prompt_count(cfg: MasterConfig) -> int:
+    """Rows of the run's train split (``grpo.max_num_epochs``)."""
+    opts = cfg.storage.storage_options or None
+    return _train_rows(cfg.data.model_dump_json(), cfg.grpo.seed, json.dumps(opts, sort_keys=True) if opts else "")
+
+
+@functools.lru_cache(maxsize=16)
+def _train_rows(data_json: str, seed: int, opts_json: str) -> int:
+    """Read once per data config: the budget is asked for often."""
+    data = type(MasterConfig.model_fields["data"].get_default(call_default_factory=True)).model_validate_json(data_json)
+    return len(load_prompt_records(data, "train", seed, json.loads(opts_json) if opts_json else None))
 
 
 #: GRPO's recipe

@@ -61,6 +61,9 @@ class SFTRecipe(SupervisedRecipe):
         problems = []
         if cfg.sft.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
             problems.append(f"sft.val_period = {cfg.sft.val_period} needs held-out rows: set data.val_path (an SFT file)")
+        if cfg.data.split_validation_size:
+            problems.append("data.split_validation_size: holding SFT rows out of the train file is not implemented; "
+                            "give data.val_path")
         if cfg.sft.max_num_epochs is not None:
             problems.append("sft.max_num_epochs is not applied here: the run's length is sft.max_num_steps (drop the key, "
                             "or set max_num_steps to epochs * rows / policy.train_global_batch_size)")

@@ -111,7 +111,6 @@ RULES: tuple[Rule, ...] = (
          f"{_ALGORITHMS_HERE}"),
     Rule("ppo", "refused", f"PPO with a value model (NeMo-RL's `ppo` section) is not implemented yet; {_ALGORITHMS_HERE}"),
     # ---- grpo
-    Rule("grpo.max_num_epochs", "refused", _PER_ALGO_EPOCHS.format(a="grpo"), OFF_NULL),
     Rule("grpo.val_start_at", "refused", "delayed periodic validation is not implemented", off_is(-1, None)),
     Rule("grpo.val_num_generations_per_prompt", "refused",
          "validation scores one greedy response per prompt here (`nrl eval --num-samples K` gives pass@k)", off_is(1)),
@@ -206,8 +205,11 @@ RULES: tuple[Rule, ...] = (
     Rule("data.add_bos", "mapped", "a row starts as the tokenizer's chat template starts it"),
     Rule("data.add_eos", "refused", "every demonstration ends with EOS here", off_is(True)),
     Rule("data.add_generation_prompt", "mapped", "the assistant turn follows the prompt in the chat template's own form"),
-    Rule("env.math", "refused", "NeMo-RL's math environment (math-verify) is not here: set `env.math=null` and "
-         "`env.name` to a built-in or plug-in environment", OFF_NULL),
+    Rule("env.math", "refused", "only NeMo-RL's default `math_verify_impl: hf_math_verify` is here (math-verify, "
+         "nrl_tasks.environments.math_verify, the reward of `data.default.env_name: math`); its verifier workers "
+         "(`num_workers`) are not needed: the score stage verifies in the flow process",
+         Off(lambda v: v is None or (isinstance(v, Mapping) and v.get("math_verify_impl", "hf_math_verify") == "hf_math_verify"),
+             "math_verify_impl: hf_math_verify")),
     # ---- checkpointing, cluster, logger
     Rule("checkpointing.checkpoint_dir", "mapped", "a run's checkpoints are `<storage>/<run-id>/checkpoints` (`--storage`)"),
     Rule("checkpointing.metric_name", "mapped", "NeMo-RL's `val:<name>` is the metrics column `val_<name>`",

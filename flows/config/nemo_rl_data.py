@@ -16,16 +16,19 @@ Local files map to ``data.dataset: file`` with ``data.train_path`` / ``data.val_
   this project's pair reader takes the columns ``chosen`` and ``rejected`` by those names.
 
 Refused by name: a hub dataset (any other ``dataset_name``: nothing is downloaded here; the error
-gives the override that works), several datasets, ``split_validation_size`` > 0 (give
-``data.validation``), a ``prompt_file`` / ``system_prompt_file`` (not read yet), and
-``env_name: math`` unless ``env.reward_fn`` names a scorer (NeMo-RL scores with math-verify; the
-built-in scorer compares the first integer). ``processor`` maps to the algorithm's own row reader;
-``split``, ``subset`` and the split ``seed`` only apply to hub datasets and splitting.
+gives the override that works), several datasets, ``split_validation_size`` > 0 together with
+``data.validation`` (it maps to ``data.split_validation_size``: a held-out slice), a ``prompt_file`` / ``system_prompt_file`` (not read yet), and
+``env_name`` other than ``math`` (which maps to the math-verify reward,
+:mod:`nrl_tasks.environments.math_verify`, unless ``env.reward_fn`` names another scorer).
+``processor`` maps to the algorithm's own row reader; ``split``, ``subset`` and the split ``seed``
+only apply to hub datasets and splitting.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+from nrl_tasks.environments.math_verify import MATH_REWARD_FN
 
 __all__ = ["KEY_FATES", "map_datasets"]
 
@@ -44,11 +47,14 @@ KEY_FATES: dict[str, tuple[str, str]] = {
     "prompt_key": ("mapped", "`data.prompt_key`"),
     "chosen_key": ("honoured when 'chosen', else refused", "the pair reader's column"),
     "rejected_key": ("honoured when 'rejected', else refused", "the pair reader's column"),
-    "split_validation_size": ("honoured when 0 or null, else refused", "splitting is not implemented: give data.validation"),
+    "split_validation_size": ("honoured", "`data.split_validation_size`: that fraction of the train file held out as "
+                              "the validation split (GRPO; DPO and SFT: refused, give data.validation)"),
     "prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
     "system_prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
-    "env_name": ("honoured when null, else refused", "`math` needs `env.reward_fn` (NeMo-RL scores with math-verify)"),
-    **{k: ("ignored", "applies to hub datasets and splitting only") for k in ("split", "subset", "seed")},
+    "env_name": ("mapped when math, honoured when null, else refused",
+                 f"`math` is env.reward_fn={MATH_REWARD_FN} (math-verify), unless env.reward_fn names another scorer"),
+    **{k: ("ignored", "applies to hub datasets only") for k in ("split", "subset")},
+    "seed": ("mapped", "`data.split_seed`, the held-out draw's seed, with split_validation_size"),
     "processor": ("mapped", "the algorithm's own row reader"),
     "repeat": ("honoured when 1 or null, else refused", "validation rows are not repeated"),
 }
@@ -77,9 +83,6 @@ def _one(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, An
     if spec.get("repeat") not in (None, 1):
         errors.append(f"{where}.repeat: repeating the validation set is not implemented (`nrl eval --num-samples K` "
                       f"samples K responses per prompt); set `{where}.repeat=1`")
-    if spec.get("split_validation_size"):
-        errors.append(f"{where}.split_validation_size: splitting a validation set off the train file is not implemented; "
-                      f"give `data.validation.data_path=FILE` and `{where}.split_validation_size=0`")
     for key in ("prompt_file", "system_prompt_file"):
         if spec.get(key) is not None:
             errors.append(f"{where}.{key}: prompt files are not read yet (`data.prompt_template`, `data.system_prompt` "
@@ -91,6 +94,10 @@ def _one(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, An
         keys = {"prompt_key": spec.get("prompt_key", "prompt")}
     else:
         keys = {"prompt_key": spec.get("input_key", "input"), "answer_key": spec.get("output_key", "output")}
+    if spec.get("split_validation_size"):  # held out of the train file (GRPO's prompt files)
+        keys["split_validation_size"] = spec["split_validation_size"]
+        if spec.get("seed") is not None:
+            keys["split_seed"] = spec["seed"]
     return {"path": spec.get("data_path"), **keys}
 
 
@@ -108,18 +115,26 @@ def map_datasets(data: dict[str, Any], env_reward_fn: Any, errors: list[str]) ->
         errors.append("data.train: several datasets (a list) are not implemented; give one local file")
         return []
     env_name = {**default, **train}.get("env_name")
+    mapped = []
     if env_name not in (None, "math"):
         errors.append(f"data.default.env_name: {env_name!r} is not an environment here (set `env.environment` to a plug-in)")
-    elif env_name == "math" and env_reward_fn is None:
-        errors.append("data.default.env_name: NeMo-RL's math environment scores with math-verify, which is not here: set "
-                      "`env.reward_fn=package.module:function` (a math verifier), or `data.default.env_name=null` for the "
-                      "built-in scorer (the response's first integer against the answer)")
-    mapped = []
+    elif env_name == "math" and env_reward_fn is None:  # NeMo-RL's math environment: math-verify, as a reward function
+        data.setdefault("env", {})["reward_fn"] = MATH_REWARD_FN
+        mapped.append(("data.default.env_name", f"`math`: env.reward_fn={MATH_REWARD_FN} (math-verify, as NeMo-RL's)"))
     ours = _one("data.train", {**default, **train}, errors)
     if ours is not None:
         section.update(dataset="file", train_path=ours.pop("path"), **ours)
         mapped.append(("data.train", f"data.dataset=file, data.train_path, {', '.join(f'data.{k}' for k in ours)}"))
-    if isinstance(val, Mapping):
+    if val is None and not section.get("split_validation_size"):  # NeMo-RL validates nothing without a validation set
+        for algo in ("grpo", "dpo", "sft"):
+            if isinstance(data.get(algo), dict) and (data[algo].get("val_period") or data[algo].get("val_at_start")):
+                data[algo].update(val_period=0, val_at_start=False)
+                mapped.append(("data.validation", f"null: no validation, as NeMo-RL skips it without a validation set "
+                                                  f"({algo}.val_period=0, {algo}.val_at_start=false)"))
+    if isinstance(val, Mapping) and section.get("split_validation_size"):
+        errors.append("data.train.split_validation_size and data.validation: give one (a held-out slice of the train "
+                      "file, or a validation file)")
+    elif isinstance(val, Mapping):
         vals = _one("data.validation", {**default, **val}, errors)
         if vals is not None:
             path = vals.pop("path")

@@ -42,7 +42,8 @@ __all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
-    return bool(cfg.data.val_path) or cfg.grpo.val_period > 0 or cfg.grpo.val_at_start or cfg.grpo.val_at_end
+    return bool(cfg.data.val_path or cfg.data.split_validation_size) or cfg.grpo.val_period > 0 or cfg.grpo.val_at_start \
+        or cfg.grpo.val_at_end
 
 
 def check_reward_fn(cfg: MasterConfig) -> None:

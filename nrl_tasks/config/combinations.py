@@ -123,8 +123,10 @@ def combination_errors(cfg: "MasterConfig") -> list[str]:
             f"{cfg.data.max_input_seq_length + gen.max_new_tokens} exceeds policy.max_total_sequence_length = "
             f"{cfg.policy.max_total_sequence_length}"
         )
-    if (cfg.grpo.val_period or cfg.grpo.val_at_end) and cfg.data.dataset == "file" and not cfg.data.val_path:
-        errs.append("grpo.val_period > 0 (or grpo.val_at_end) with data.dataset 'file' needs data.val_path")
+    if (cfg.grpo.val_period or cfg.grpo.val_at_end) and cfg.data.dataset == "file" and not (
+            cfg.data.val_path or cfg.data.split_validation_size):
+        errs.append("grpo.val_period > 0 (or grpo.val_at_end) with data.dataset 'file' needs data.val_path "
+                    "(or data.split_validation_size)")
     if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
         errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")
     return errs + _colocation_errors(cfg, gen)

@@ -56,6 +56,11 @@ class DataConfig(Section):
         None, ge=1, le=MAX_SEQUENCE_TOKENS, description="prompt token budget (<= 2**20)"
     )
     overlong_prompts: Literal["truncate", "reject"] = "reject"
+    split_validation_size: float = Field(
+        0.0, ge=0.0, lt=1.0, description="NeMo-RL's key: this fraction of the train file's rows (rounded up) "
+        "held out as the validation split, drawn with split_seed (GRPO's prompt files; 0: none)",
+    )
+    split_seed: int | None = Field(None, description="seed of the held-out draw (null: grpo.seed)")
     shuffle: bool = True
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
 
@@ -82,6 +87,9 @@ class DataConfig(Section):
             raise ValueError("data.prompt_template must contain '{prompt}'")
         if self.dataset != "file":
             self._check_generated_size()
+        if self.split_validation_size and (self.dataset != "file" or self.val_path):
+            raise ValueError("data.split_validation_size holds rows of data.train_path out: it needs data.dataset 'file' "
+                             "and no data.val_path (give one or the other)")
         return self
 
     def _check_generated_size(self) -> None:

@@ -53,6 +53,10 @@ class GRPOConfig(Section):
         4, ge=2, le=1024, description="group size; >= 2 for GRPO advantages, <= 1024 (and prompts * group <= 2**20)"
     )
     max_num_steps: int = Field(10, ge=1, le=MAX_STEPS, description="<= 10**7")
+    max_num_epochs: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="NeMo-RL's key: the run ends after the fewer of max_num_steps and "
+        "max_num_epochs * (train prompts // num_prompts_per_step) steps (null: max_num_steps alone)",
+    )
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = True
     val_period: int = Field(0, ge=0, le=MAX_STEPS, description="validate every N steps (0: never)")

@@ -27,7 +27,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "cluster": {"ray"},
     "storage": True,
     "logger": True,
-    "grpo": {"max_num_steps", "refit", "stage_retries", "stage_retry_delay_s", "max_steps_without_valid_reward"},
+    "grpo": {"max_num_steps", "max_num_epochs", "refit", "stage_retries", "stage_retry_delay_s", "max_steps_without_valid_reward"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
     "sft": {"max_num_steps"},
@@ -47,6 +47,8 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("env", "environment"),
     ("env", "environment_kwargs"),
     ("policy", "share_prompt_prefix"),
+    ("data", "split_validation_size"),
+    ("data", "split_seed"),
     *(("dpo", k) for k in ("val_period", "val_batches", "val_global_batch_size", "val_micro_batch_size", "val_at_start")),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "render_messages",
     "derive_seed",
     "epoch_permutation",
+    "held_out_rows",
     "format_prompt",
     "gen_batch_record_indices",
     "load_prompt_file",
@@ -285,12 +287,32 @@ def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_opt
         from nrl_tasks.environments.guess_number import make_guess_prompts
 
         return make_guess_prompts(num, env_seed, max_target=a.max_operand)
+    if data_cfg.split_validation_size and not data_cfg.val_path:  # NeMo-RL's held-out slice of the train file
+        rows = load_prompt_file(
+            data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options
+        )
+        held = held_out_rows(len(rows), data_cfg.split_validation_size, data_cfg.split_seed if data_cfg.split_seed is not None else seed)
+        return [r for i, r in enumerate(rows) if (i in held) == (split == "val")]
     path = data_cfg.train_path if split == "train" else data_cfg.val_path
     if not path:
         raise ValueError(f"data.{split}_path is not set")
     return load_prompt_file(
         path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options
     )
+
+
+def held_out_rows(n: int, fraction: float, seed: int) -> set[int]:
+    """Indices of the ``ceil(fraction * n)`` rows (at least one, and one fewer than ``n``) held out
+    of ``n`` for validation, drawn with ``seed``.
+
+    >>> sorted(held_out_rows(20, 0.05, seed=7)) == sorted(held_out_rows(20, 0.05, seed=7)), len(held_out_rows(20, 0.05, 7))
+    (True, 1)
+    """
+    if n < 2:
+        raise ValueError(f"data.split_validation_size needs at least 2 rows in data.train_path, got {n}")
+    k = min(n - 1, max(1, math.ceil(fraction * n)))
+    g = torch.Generator().manual_seed(derive_seed(seed, "split_validation") % (2**63))
+    return set(torch.randperm(n, generator=g)[:k].tolist())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ COMMON = ["policy.model_name=builtin:tiny", "policy.tokenizer.name=builtin:tiny"
 BY_KIND = {
     "grpo": ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
              "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
-             "policy.generation.vllm_cfg.max_model_len=64", "env.math=null", "grpo.max_num_epochs=null"],
+             "policy.generation.vllm_cfg.max_model_len=64"],
     "dpo": ["dpo.max_num_steps=2", "dpo.max_num_epochs=null"],
     # sft.yaml names its loggers' runs after ${data.train.dataset_name}
     "sft": ["sft.max_num_steps=2", "sft.max_num_epochs=null", "logger.wandb.name=sft", "logger.swanlab.name=sft",
@@ -103,8 +103,9 @@ def test_grpo_math_1b_without_the_overrides_names_what_is_refused_and_why():
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(CONFIGS, "grpo_math_1B.yaml"))
     text = str(err.value)
-    for needle in ("grpo.max_num_epochs: not implemented yet", "data.train.dataset_name: 'OpenMathInstruct-2' names a hub "
-                   "dataset", "data.train.dataset_name=ResponseDataset data.train.data_path=FILE", "env.math"):
+    for needle in ("data.train.dataset_name: 'OpenMathInstruct-2' names a hub dataset",
+                   "data.train.dataset_name=ResponseDataset data.train.data_path=FILE",
+                   "policy.generation: colocated.enabled=true with backend='vllm' is not built"):
         assert needle in text
     assert "unknown key" not in text  # every key has a fate
 
@@ -206,21 +207,20 @@ def _jsonl(path, rows) -> str:
 
 
 def _local_data(kind: str, tmp_path) -> list[str]:
-    """Overrides giving ``kind``'s NeMo-RL file local datasets in NeMo-RL's own keys (issue 42, item 5)."""
+    """Overrides giving ``kind``'s NeMo-RL file a local dataset in NeMo-RL's own keys, exactly those
+    of issue 42, item 5: GRPO keeps its file's ``split_validation_size`` (a held-out slice) and
+    ``env_name: math`` (math-verify); DPO and SFT run without a validation set."""
     if kind == "dpo":
         rows = [{"prompt": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(8)]
-        train, val = _jsonl(tmp_path / "pairs.jsonl", rows), _jsonl(tmp_path / "pairs_val.jsonl", rows[:4])
-        return ["data.train.dataset_name=BinaryPreferenceDataset", f"data.train.data_path={train}",
-                "data.validation.dataset_name=BinaryPreferenceDataset", f"data.validation.data_path={val}"]
-    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(8)]
-    train, val = _jsonl(tmp_path / "qa.jsonl", rows), _jsonl(tmp_path / "qa_val.jsonl", rows[:4])
-    keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={train}", "data.train.input_key=question",
-            "data.train.output_key=solution", "data.validation.dataset_name=ResponseDataset",
-            f"data.validation.data_path={val}", "data.validation.input_key=question", "data.validation.output_key=solution"]
-    keys += ["data.train.split_validation_size=0", "data.validation.repeat=null"]
-    if kind == "grpo":
-        keys += ["data.default.prompt_file=null", "data.default.env_name=null"]
-    return keys
+        return ["data.train.dataset_name=BinaryPreferenceDataset", f"data.train.data_path={_jsonl(tmp_path / 'pairs.jsonl', rows)}",
+                "data.validation=null"]
+    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12)]
+    keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={_jsonl(tmp_path / 'qa.jsonl', rows)}",
+            "data.train.input_key=question", "data.train.output_key=solution"]
+    if kind == "grpo":  # (a recipe's validation set, e.g. AIME repeated 16 times, is a hub dataset: none)
+        return keys + ["data.default.prompt_file=null", "data.validation=null"]
+    # (the SFT LoRA recipe holds 5% of its train set out, which is built for GRPO's prompt files only)
+    return keys + ["data.validation=null", "data.train.split_validation_size=0"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
@@ -230,27 +230,38 @@ def test_local_datasets_in_nemo_rls_keys_map_to_the_file_reader(path, tmp_path, 
     overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
     overrides += [o for o in BY_KIND[kind] if not o.startswith("logger.")] + _local_data(kind, tmp_path)
     cfg = load_config(path, overrides)
-    assert (cfg.data.dataset, os.path.basename(cfg.data.train_path), os.path.basename(cfg.data.val_path)) == (
-        "file", "pairs.jsonl" if kind == "dpo" else "qa.jsonl", "pairs_val.jsonl" if kind == "dpo" else "qa_val.jsonl")
+    assert (cfg.data.dataset, os.path.basename(cfg.data.train_path), cfg.data.val_path) == (
+        "file", "pairs.jsonl" if kind == "dpo" else "qa.jsonl", None)
     if kind != "dpo":
         assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "solution")
-    assert main(["check", path, *overrides]) == 0  # the preflight reads both files
+    if kind == "grpo" and "grpo_math_1B" in path:  # its 5% held out; its math environment: math-verify
+        assert cfg.data.split_validation_size == 0.05 and cfg.data.split_seed == cfg.grpo.seed
+        assert cfg.env.reward_fn == "nrl_tasks.environments.math_verify:math_reward"
+    if kind in ("dpo", "sft"):  # no validation set: no validation, as in NeMo-RL
+        assert getattr(cfg, kind).val_period == 0
+    assert main(["check", path, *overrides]) == 0  # the preflight reads the file
 
 
 @pytest.mark.parametrize(
     "override, needle",
     [
         ("data.train.dataset_name=squad", "data.train.dataset_name: 'squad' names a hub dataset"),
-        ("data.train.split_validation_size=0.05", "data.train.split_validation_size: splitting"),
-        ("data.default.env_name=math", "data.default.env_name: NeMo-RL's math environment scores with math-verify"),
+        ("data.default.env_name=code", "data.default.env_name: 'code' is not an environment here"),
         ("data.default.prompt_file=cot.txt", "data.train.prompt_file: prompt files are not read yet"),
         ("data.validation.input_key=q", "data.validation: prompt_key differ from data.train's"),
         ("data.validation.repeat=16", "data.validation.repeat: repeating the validation set is not implemented"),
+        ("data.train.split_validation_size=0.1", "data.train.split_validation_size and data.validation: give one"),
+        ("env.math.math_verify_impl=dapo_math_verify", "env.math: only NeMo-RL's default `math_verify_impl: hf_math_verify`"),
     ],
 )
 def test_what_the_file_reader_cannot_honour_is_refused_with_the_override_that_works(override, needle, tmp_path):
     path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
     overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    val = [] if override.startswith(("data.default.", "env.")) else [  # a validation file as well
+        "data.validation.dataset_name=ResponseDataset", f"data.validation.data_path={tmp_path / 'v.jsonl'}",
+        "data.validation.input_key=question", "data.validation.output_key=solution"]
+    if override.startswith("data.validation") or override.startswith("data.train.split"):
+        val += ["data.train.split_validation_size=0"] if not override.startswith("data.train.split") else []
     with pytest.raises(ConfigError) as err:
-        load_config(path, overrides + BY_KIND["grpo"] + _local_data("grpo", tmp_path) + [override])
+        load_config(path, overrides + BY_KIND["grpo"] + _local_data("grpo", tmp_path) + val + [override])
     assert needle in str(err.value)
