@@ -82,14 +82,16 @@ def check_plugins(cfg: MasterConfig) -> None:
     check_environment(cfg)
 
 
-def check_model_path(cfg: MasterConfig) -> None:
+def check_model_path(cfg: MasterConfig, layout: RunLayout | None = None) -> None:
     """``ValueError`` naming ``policy.model_name`` (or ``policy.tokenizer.name``) when it is an
     unknown ``builtin:`` name or a local path (absolute, ``./``, ``~``) that is not a folder; a hub
-    id (``org/name``) is left to the loader."""
+    id (``org/name``) is left to the loader. A resumed run's (``layout``) model below its storage
+    root is one its own start makes (a warm start's SFT weights): the flow checks it."""
     import os
 
+    own = layout.root.removeprefix("file://").rstrip("/") + "/" if layout is not None else None
     for key, name in (("policy.model_name", cfg.policy.model_name), ("policy.tokenizer.name", cfg.policy.tokenizer.name)):
-        if not name:
+        if not name or (own and name.removeprefix("file://").startswith(own)):
             continue
         if is_builtin(name):
             if not is_known_builtin(name):
@@ -116,7 +118,7 @@ def preflight(cfg: MasterConfig, layout: RunLayout | None = None, *,
     (``layout``: the run a resume continues; ``check_data``: the run's algorithm's data check,
     its recipe's ``check_data``)."""
 
-    check_model_path(cfg)
+    check_model_path(cfg, layout)
     check_lora(cfg)
     check_plugins(cfg)
     load_observers(isolate=True)

@@ -70,7 +70,7 @@ from flows.run.process import (
 from flows.run.recipe import Recipe
 from flows.run.runtime import Runtime, build_run_context, ray_connected, setup_runtime, shutdown_local_ray
 from flows.run.start import StartPlan, plan_start
-from flows.run.state import init_run, read_status, write_status
+from flows.run.state import check_new_run, init_run, read_status, write_status
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
@@ -343,6 +343,8 @@ def run_session(
         with _named_if_refused(fid, run_id):
             previous = read_status(layout, opts) or {}
             existed = fs.exists(layout.config_uri, storage_options=opts)
+            if existed and not (intent.resume or intent.restartable):
+                check_new_run(layout, opts, fid)  # before configure (a warm start trains) does any work
             if configure is not None:
                 if saved_form is not None and not existed and not intent.resume:
                     # the run exists (config, status) before its configure step trains: a warm start

@@ -37,6 +37,7 @@ from storage import fs
 from storage.lease import LeaseUnreadableError
 
 __all__ = [
+    "check_new_run",
     "check_storage_root",
     "init_run",
     "list_runs",
@@ -80,6 +81,16 @@ def _how_to_resume(run_id: str) -> str:
     return f"resume it (nrl resume {run_id}) or pick another --run-id"
 
 
+def check_new_run(layout: RunLayout, storage_options: dict[str, Any] | None, flow_run_id: str | None) -> None:
+    """``ConfigError`` when a new run's id exists, unless it is the same Prefect flow run retrying
+    (its ``status.json`` names this flow run)."""
+    if not _fs().exists(layout.config_uri, storage_options=storage_options):
+        return
+    status = read_status(layout, storage_options) or {}
+    if not (flow_run_id and status.get("flow_run_id") == flow_run_id):
+        raise ConfigError(f"run {layout.run_id!r} already exists under {layout.root!r}: {_how_to_resume(layout.run_id)}")
+
+
 def init_run(layout: RunLayout, cfg: MasterConfig, *, resume: bool, flow_run_id: str | None = None) -> str:
     """Create the run (write ``config.yaml``) or check it for resume; return the config hash.
 
@@ -92,9 +103,7 @@ def init_run(layout: RunLayout, cfg: MasterConfig, *, resume: bool, flow_run_id:
     exists = fs.exists(layout.config_uri, storage_options=opts)
     if exists:
         if not resume:
-            status = read_status(layout, opts) or {}
-            if not (flow_run_id and status.get("flow_run_id") == flow_run_id):
-                raise ConfigError(f"run {layout.run_id!r} already exists under {layout.root!r}: {_how_to_resume(layout.run_id)}")
+            check_new_run(layout, opts, flow_run_id)
         check_config_hash(layout, cfg)
         return h
     if resume:
