@@ -61,12 +61,21 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None)
 
 
 def _api(api: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    req = urllib.request.Request(
-        f"{api}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
-        method="POST" if body is not None else "GET",
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read() or b"null")
+    """One Prefect API call; a 503 (the SQLite server busy under load) is tried again, up to 10 times."""
+    import urllib.error
+
+    for attempt in range(10):
+        req = urllib.request.Request(
+            f"{api}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
+            method="POST" if body is not None else "GET",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or attempt == 9:
+                raise
+            time.sleep(1.0 + attempt)
 
 
 def shoot(url: str, path: str, *, width: int = 1500, height: int = 1100, budget_ms: int = 25_000) -> None:
