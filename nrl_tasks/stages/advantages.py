@@ -80,10 +80,11 @@ def compute_advantages(
             normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
             std_epsilon=est.std_epsilon if est is not None else 1e-6,
         ).to(torch.float32)
-    if grpo_cfg.advantage_clip_low is not None or grpo_cfg.advantage_clip_high is not None:
-        adv = adv.clamp(min=grpo_cfg.advantage_clip_low, max=grpo_cfg.advantage_clip_high)  # after normalisation, as NeMo-RL
+    lo, hi = getattr(grpo_cfg, "advantage_clip_low", None), getattr(grpo_cfg, "advantage_clip_high", None)
+    if lo is not None or hi is not None:
+        adv = adv.clamp(min=lo, max=hi)  # after normalisation, as NeMo-RL
     mask = valid.to(torch.float32)
-    if grpo_cfg.overlong_filtering:  # truncated samples: in their group's baseline above, out of the loss
+    if getattr(grpo_cfg, "overlong_filtering", False):  # truncated samples: in their group's baseline above, out of the loss
         if truncated is None:
             raise ValueError("grpo.overlong_filtering needs the rollouts' truncated column")
         mask = mask * (~truncated.to(torch.bool)).to(torch.float32)
