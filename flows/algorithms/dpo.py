@@ -28,6 +28,8 @@ and made again (the same bytes); a damaged ``train`` stops the resume with the f
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,7 +73,11 @@ class DPORecipe(SupervisedRecipe):
             problems.append(f"dpo.val_period = {cfg.dpo.val_period} needs held-out pairs: set data.val_path (a preference file)")
         if cfg.data.split_validation_size:
             problems.append("data.split_validation_size: holding pairs out of the train file is not implemented; give data.val_path")
-        return problems
+        return problems + self.epoch_problems(cfg)
+
+    def train_rows(self, cfg: MasterConfig) -> int:
+        opts = cfg.storage.storage_options or None
+        return _dpo_rows(cfg.model_dump_json(), json.dumps(opts, sort_keys=True) if opts else "")
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         """The pairs a run would freeze read (a resume reads its frozen copy: not checked again)."""
@@ -116,6 +122,13 @@ def supervised_snapshot_committed(layout: RunLayout, split: str, opts: dict[str,
 
 
 #: DPO's recipe
+@functools.lru_cache(maxsize=16)
+def _dpo_rows(cfg_json: str, opts_json: str) -> int:
+    """Train pairs of a DPO config's data and seed, read once per config (the budget is asked for often)."""
+    cfg = MasterConfig.model_validate(json.loads(cfg_json))
+    return len(source_preferences(cfg, json.loads(opts_json) if opts_json else None, "train"))
+
+
 DPO = DPORecipe()
 
 

@@ -22,6 +22,8 @@ each step's recorded weights checksum). Its checkpoints' ``weights`` folders loa
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,10 +66,11 @@ class SFTRecipe(SupervisedRecipe):
         if cfg.data.split_validation_size:
             problems.append("data.split_validation_size: holding SFT rows out of the train file is not implemented; "
                             "give data.val_path")
-        if cfg.sft.max_num_epochs is not None:
-            problems.append("sft.max_num_epochs is not applied here: the run's length is sft.max_num_steps (drop the key, "
-                            "or set max_num_steps to epochs * rows / policy.train_global_batch_size)")
-        return problems
+        return problems + self.epoch_problems(cfg)
+
+    def train_rows(self, cfg: MasterConfig) -> int:
+        opts = cfg.storage.storage_options or None
+        return _sft_rows(cfg.data.model_dump_json(), cfg.grpo.seed, json.dumps(opts, sort_keys=True) if opts else "")
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         opts = cfg.storage.storage_options or None
@@ -93,6 +96,13 @@ class SFTRecipe(SupervisedRecipe):
 
     def recompute(self, run: RunContext, step: int, generation_version: int) -> None:
         sft_batch(quote(run.step(step)))
+
+
+@functools.lru_cache(maxsize=16)
+def _sft_rows(data_json: str, seed: int, opts_json: str) -> int:
+    """Train rows of an SFT data config, read once per config (the budget is asked for often)."""
+    data = type(MasterConfig.model_fields["data"].get_default(call_default_factory=True)).model_validate_json(data_json)
+    return len(load_sft_records(data, "train", seed, json.loads(opts_json) if opts_json else None))
 
 
 #: SFT's recipe

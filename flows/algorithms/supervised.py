@@ -146,7 +146,32 @@ class SupervisedRecipe:
         return getattr(cfg, self.section)
 
     def budget(self, cfg: MasterConfig) -> int:
-        return self._section(cfg).max_num_steps
+        """``<section>.max_num_steps``, or fewer: ``max_num_epochs`` passes over the train rows at
+        ``policy.train_global_batch_size`` a step (NeMo-RL's ``max_num_epochs * len(dataloader)``,
+        the dataloader dropping a last partial batch)."""
+        section = self._section(cfg)
+        if section.max_num_epochs is None:
+            return section.max_num_steps
+        return min(section.max_num_steps, section.max_num_epochs * (self.train_rows(cfg) // cfg.policy.train_global_batch_size))
+
+    def train_rows(self, cfg: MasterConfig) -> int:
+        """Rows of the run's train split (``max_num_epochs``)."""
+        raise NotImplementedError
+
+    def epoch_problems(self, cfg: MasterConfig) -> list[str]:
+        """``max_num_epochs`` with too few train rows for one step."""
+        section = self._section(cfg)
+        if section.max_num_epochs is None:
+            return []
+        try:
+            n = self.train_rows(cfg)
+        except (OSError, ValueError):
+            return []  # the data check names the file
+        gbs = cfg.policy.train_global_batch_size
+        if n < gbs:
+            return [f"{self.section}.max_num_epochs={section.max_num_epochs}: the train split's {n} rows make no step of "
+                    f"policy.train_global_batch_size={gbs} (NeMo-RL drops a last partial batch)"]
+        return []
 
     def validation_due(self, cfg: MasterConfig, step: int) -> bool:
         return validation_due(self._section(cfg), step)

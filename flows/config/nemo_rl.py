@@ -99,9 +99,6 @@ def _metric_name(value: Any) -> Any:
 _GPU_ENV = ("PYTORCH_CUDA_", "CUDA_", "NCCL_", "NVTE_", "TORCH_NCCL_")
 _HUB_DATA = ("a local ResponseDataset / BinaryPreferenceDataset file is `data.dataset: file`, `data.train_path` and the "
              "row keys (flows/config/nemo_rl_data.py); a hub dataset is refused with the override that works")
-_PER_ALGO_EPOCHS = ("not implemented yet: a run's length is `{a}.max_num_steps` here; set `{a}.max_num_epochs=null` "
-                    "(NeMo-RL stops at the fewer of the two)")
-
 _ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo and sft"
 
 RULES: tuple[Rule, ...] = (
@@ -134,7 +131,6 @@ RULES: tuple[Rule, ...] = (
     Rule("data_plane", "mapped", "stage outputs pass between stages as Arrow datasets on the run's storage "
          "(the data plane here, always on)"),
     # ---- dpo, sft
-    Rule("dpo.max_num_epochs", "refused", _PER_ALGO_EPOCHS.format(a="dpo"), OFF_NULL),
     Rule("dpo.val_at_end", "refused", "validation after the last step is not implemented", OFF_FALSE),
     Rule("sft.val_at_end", "refused", "validation after the last step is not implemented", OFF_FALSE),
     Rule("sft.only_unmask_final", "refused", "the loss covers every assistant turn here", OFF_FALSE),

@@ -24,4 +24,8 @@ class DPOConfig(DPOLossConfig, SupervisedValidation):
     accuracy and margin (:class:`~nrl_tasks.config.sft.SupervisedValidation`)."""
 
     max_num_steps: int = Field(20, ge=1, le=MAX_STEPS, description="optimizer steps, <= 10**7")
+    max_num_epochs: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="NeMo-RL's key: the run ends after the fewer of max_num_steps and "
+        "max_num_epochs * (train pairs // policy.train_global_batch_size) steps (null: max_num_steps alone)",
+    )
     seed: int = Field(42, ge=INT64[0], le=INT64[1], description="draw of each step's pairs")

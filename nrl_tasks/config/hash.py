@@ -29,8 +29,8 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "logger": True,
     "grpo": {"max_num_steps", "max_num_epochs", "refit", "stage_retries", "stage_retry_delay_s", "max_steps_without_valid_reward"},
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
-    "dpo": {"max_num_steps"},  # like grpo.max_num_steps: a finished DPO run can be extended
-    "sft": {"max_num_steps"},
+    "dpo": {"max_num_steps", "max_num_epochs"},  # like grpo.max_num_steps: a finished DPO run can be extended
+    "sft": {"max_num_steps", "max_num_epochs"},
     "env": {"num_workers", "step_timeout_s"},  # how many actors run the environment and how long it may take, not what it answers
 }
 

@@ -43,6 +43,7 @@ class SFTConfig(SupervisedValidation):
 
     max_num_steps: int = Field(60, ge=1, le=MAX_STEPS, description="optimizer steps, <= 10**7")
     max_num_epochs: int | None = Field(
-        None, ge=1, le=MAX_STEPS, description="stop after this many passes over the data (the fewer steps wins)"
+        None, ge=1, le=MAX_STEPS, description="NeMo-RL's key: the run ends after the fewer of max_num_steps and "
+        "max_num_epochs * (train rows // policy.train_global_batch_size) steps (null: max_num_steps alone)"
     )
     seed: int = Field(42, ge=INT64[0], le=INT64[1], description="draw of each step's rows")

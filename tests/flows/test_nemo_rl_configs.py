@@ -26,9 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(ROOT, "tests", "data", "nemo_rl_configs")
 FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))) + sorted(glob.glob(os.path.join(CONFIGS, "recipes", "llm", "*.yaml")))
 
-# the model, data, step-count and cluster-size overrides a CPU user gives (issue 42, item 5), plus
-# what is not built yet: NeMo-RL's dataset sections (data.train/validation/default: the built-in task
-# instead), max_num_epochs, NeMo-RL's math environment
+# the model, step-count and cluster-size overrides a CPU user gives (issue 42, item 5); the data
+# overrides are _local_data's (here, the files' hub datasets replaced by the built-in task)
 COMMON = ["policy.model_name=builtin:tiny", "policy.tokenizer.name=builtin:tiny", "policy.max_total_sequence_length=64",
           "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "cluster.gpus_per_node=1",
           "cluster.num_nodes=1", "logger.wandb_enabled=false", "data.max_input_seq_length=32",
@@ -37,9 +36,9 @@ BY_KIND = {
     "grpo": ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
              "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
              "policy.generation.vllm_cfg.max_model_len=64"],
-    "dpo": ["dpo.max_num_steps=2", "dpo.max_num_epochs=null"],
+    "dpo": ["dpo.max_num_steps=2"],
     # sft.yaml names its loggers' runs after ${data.train.dataset_name}
-    "sft": ["sft.max_num_steps=2", "sft.max_num_epochs=null", "logger.wandb.name=sft", "logger.swanlab.name=sft",
+    "sft": ["sft.max_num_steps=2", "logger.wandb.name=sft", "logger.swanlab.name=sft",
             "logger.tensorboard.log_dir=tb", "logger.mlflow.run_name=sft"],
 }
 
@@ -147,6 +146,25 @@ def test_gpus_per_node_1_runs_on_cpu_with_a_local_ray_on_a_machine_without_a_gpu
     assert usable_gpus_per_node(remote) == 1  # a cluster's GPUs are its own to report
 
 
+@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "dpo.yaml", "sft.yaml"])
+def test_max_num_epochs_ends_the_run_after_the_fewer_steps(name, tmp_path):
+    from flows.algorithms.registry import recipe_of
+
+    kind = _kind(os.path.join(CONFIGS, name))
+    overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    overrides += [o for o in BY_KIND[kind] if not o.startswith("logger.")] + _local_data(kind, tmp_path)
+    long = [o for o in overrides if not o.startswith(f"{kind}.max_num_steps=")] + [f"{kind}.max_num_steps=1000"]
+    cfg = load_config(os.path.join(CONFIGS, name), long)
+    recipe = recipe_of(cfg.model_dump(mode="json"))
+    assert getattr(cfg, kind).max_num_epochs == 1  # the file's
+    assert recipe.budget(cfg) == 2  # one pass: 11 prompts // 4 (GRPO), 32 rows // 16 (DPO, SFT)
+    two = load_config(os.path.join(CONFIGS, name), long + [f"{kind}.max_num_epochs=2"])
+    assert recipe.budget(two) == 4
+    few = load_config(os.path.join(CONFIGS, name), overrides + [f"{kind}.max_num_steps=1"])
+    assert recipe.budget(few) == 1  # the fewer steps wins
+    assert recipe.check_config(cfg) == []
+
+
 def test_grpo_keys_implemented_since_are_honoured_from_nemo_rl_files():
     path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
     cfg = load_config(path, COMMON + BY_KIND["grpo"] + [
@@ -211,10 +229,11 @@ def _local_data(kind: str, tmp_path) -> list[str]:
     of issue 42, item 5: GRPO keeps its file's ``split_validation_size`` (a held-out slice) and
     ``env_name: math`` (math-verify); DPO and SFT run without a validation set."""
     if kind == "dpo":
-        rows = [{"prompt": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(8)]
+        rows = [{"prompt": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(32)]
         return ["data.train.dataset_name=BinaryPreferenceDataset", f"data.train.data_path={_jsonl(tmp_path / 'pairs.jsonl', rows)}",
                 "data.validation=null"]
-    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12)]
+    # GRPO: 11 of 12 rows train (one held out), 2 steps of 4 prompts in its one epoch; SFT: 2 steps of 16 rows
+    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12 if kind == "grpo" else 32)]
     keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={_jsonl(tmp_path / 'qa.jsonl', rows)}",
             "data.train.input_key=question", "data.train.output_key=solution"]
     if kind == "grpo":  # (a recipe's validation set, e.g. AIME repeated 16 times, is a hub dataset: none)
