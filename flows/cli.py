@@ -5,6 +5,7 @@
     nrl grpo --config configs/grpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl dpo --config configs/dpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl sft --config configs/sft_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
+    nrl rm --config configs/rm_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]     (a reward model)
     nrl train --config FILE [key=value ...]       (the config's algorithm: its `algorithm` key or section)
     nrl pipeline --config configs/pipeline_tiny.yaml [--storage URI] [--run-id ID]   (sft -> dpo -> grpo -> eval)
     nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
@@ -275,10 +276,10 @@ def eval_(
             if not list_runs(prefix):
                 raise ValueError(f"no runs under {target!r}")
         else:
-            from flows.algorithms.evaluate import load_run_config
+            from flows.algorithms.evaluate import check_generates, load_run_config
             from nrl_tasks.run_layout import validate_run_id
 
-            load_run_config(validate_run_id(target), check_storage_root(storage, create=False))
+            check_generates(load_run_config(validate_run_id(target), check_storage_root(storage, create=False)), target)
     except ValueError as exc:
         return _error(str(exc))
 

@@ -11,6 +11,12 @@ one flow run ``P`` whose subflows are the stage runs::
         model = its final checkpoint's weights            # recorded in P/pipeline.json, by reference
     eval stage: nrl eval of the last run's final checkpoint
 
+A stage whose recipe's product is a reward model (``nrl rm``) starts from ``model`` too (e.g. the
+SFT stage's weights) but does not replace it: its final weights become the reward model of the
+later stages that score with one (GRPO: ``env.reward_model.enabled=true``,
+``env.reward_model.model_name=<its weights>``), and an eval stage evaluates the last *policy*
+stage.
+
 **Checked before anything starts**: every stage's config (its file, overrides and the model it
 will start from), its algorithm's own checks and data, all problems in one error naming the stage.
 The resolved stage configs are frozen in ``S/P/pipeline.json`` with the pipeline's state, so
@@ -147,8 +153,9 @@ def plan_stages(spec: Mapping[str, Any], root: str, pipeline_id: str) -> list[di
     ``ConfigError`` listing every problem, each naming its stage."""
     problems: list[str] = []
     plans: list[dict[str, Any]] = []
-    model: str | None = None  # the previous run stage's final weights
-    last_run: dict[str, Any] | None = None
+    model: str | None = None  # the previous policy stage's final weights
+    scorer: str | None = None  # the previous reward-model stage's final weights
+    last_run: dict[str, Any] | None = None  # the previous policy stage
     for stage in spec["stages"]:
         s = _stage_model(stage)
         if s.eval is not None:
@@ -159,13 +166,17 @@ def plan_stages(spec: Mapping[str, Any], root: str, pipeline_id: str) -> list[di
                           "start_model": model})
             continue
         data = dict(stage["config_data"])
-        if model is not None:  # from the previous run stage's final checkpoint
-            data = apply_overrides(data, [f"policy.model_name={model}"])
         run_id = f"{pipeline_id}-{s.name}"
         try:
             recipe = recipe_for(config_kind(data))
-            cfg = resolve_config(data, [], root, recipe=recipe)
+            chained = [f"policy.model_name={model}"] if model is not None else []  # the previous policy stage's weights
+            if scorer is not None and recipe.actors.reward_model:  # scored by the previous reward-model stage
+                chained += ["env.reward_model.enabled=true", f"env.reward_model.model_name={scorer}"]
+            cfg = resolve_config(apply_overrides(data, chained), [], root, recipe=recipe)
             found = recipe.check_config(cfg)
+            if recipe.stop_rule(cfg) is not None:
+                found.append(f"{recipe.stop_rule(cfg).key}: a pipeline stage runs its whole budget (the next stage "
+                             "starts from its final checkpoint); stop between stages with the stage's `gate` instead")
             if found:
                 raise ConfigError("; ".join(found))
             check_plugins(cfg)
@@ -179,8 +190,14 @@ def plan_stages(spec: Mapping[str, Any], root: str, pipeline_id: str) -> list[di
                             "checkpointing.enabled is false")
         plan = {"stage": s, "recipe": recipe, "cfg": cfg, "run_id": run_id, "start_model": cfg.policy.model_name}
         plans.append(plan)
-        last_run = plan
-        model = final_weights(root, run_id, recipe.budget(cfg))
+        if recipe.product == "reward_model":
+            if not cfg.checkpointing.enabled:
+                problems.append(f"stage {s.name!r} trains a reward model for the later stages, but its "
+                                "checkpointing.enabled is false")
+            scorer = final_weights(root, run_id, recipe.budget(cfg))
+        else:
+            last_run = plan
+            model = final_weights(root, run_id, recipe.budget(cfg))
     if problems:
         raise ConfigError(f"pipeline {spec.get('source', pipeline_id)!r}: {len(problems)} problem(s):\n"
                           + "\n".join(f"  - {p}" for p in problems))
@@ -311,7 +328,7 @@ def pipeline(
                     f"pipeline {pid} stopped after stage {s.name}: its gate {s.gate.describe()} did not hold "
                     f"(value {entry['gate']['value']})" + (f"; stage {nxt} was not started" if nxt else ""))
                 break
-            if s.eval is None:
+            if s.eval is None and plan["recipe"].product == "policy":  # what an eval stage evaluates
                 last = entry
         else:
             state["status"], state["message"] = "completed", f"pipeline {pid}: {len(plans)} stage(s) done"

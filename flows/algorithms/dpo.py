@@ -28,8 +28,6 @@ and made again (the same bytes); a damaged ``train`` stops the resume with the f
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +42,9 @@ from flows.observe.summary import SummaryFields
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.dpo import DPO_GRAPH, dpo_train, dpo_update, dpo_validate, preference_pairs, reference_logprobs
-from nrl_tasks.stages.preferences import snapshot_preferences, snapshot_repair, snapshot_uri, source_preferences
+from nrl_tasks.stages.preferences import (
+    load_preferences, pairs_seed, snapshot_preferences, snapshot_repair, snapshot_uri, source_preferences,
+)
 
 __all__ = ["DPO", "DPORecipe", "TRAIN_KEYS", "dpo"]
 
@@ -54,35 +54,38 @@ TRAIN_KEYS = ("loss", "accuracy", "rewards_margin_mean", "rewards_chosen_mean", 
 
 
 class DPORecipe(SupervisedRecipe):
-    """DPO as a recipe (see the module docstring)."""
+    """DPO as a recipe (see the module docstring). Its data half (the frozen preference pairs,
+    their checks and repairs, the step's ``pairs``) is also reward-model training's
+    (:class:`flows.algorithms.rm.RMRecipe` subclasses it), so it reads the run's own section."""
 
     kind = "dpo"
     section = "dpo"
     graph = DPO_GRAPH
-    unread_sections = ("grpo", "loss_fn", "sft")
+    unread_sections = ("grpo", "loss_fn", "sft", "rm")
     summary = SummaryFields(curve="accuracy", curve_label="pair accuracy", eval_metric="val_accuracy",
                             eval_label="held-out pair accuracy")
     train_keys = TRAIN_KEYS
     update_fn = staticmethod(dpo_update)
     validate_task = staticmethod(dpo_validate)
+    row_loader = staticmethod(load_preferences)
     console_figures = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
         problems = []
-        if cfg.dpo is not None and cfg.dpo.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
-            problems.append(f"dpo.val_period = {cfg.dpo.val_period} needs held-out pairs: set data.val_path (a preference file)")
-        if cfg.data.split_validation_size:
-            problems.append("data.split_validation_size: holding pairs out of the train file is not implemented; give data.val_path")
+        section = self._section(cfg)
+        if section is not None and section.validates and cfg.data.dataset == "file" and not (
+                cfg.data.val_path or cfg.data.split_validation_size):
+            problems.append(f"{self.section}.val_period = {section.val_period} (or {self.section}.val_at_end) needs "
+                            "held-out pairs: set data.val_path (a preference file) or data.split_validation_size")
         return problems + self.epoch_problems(cfg)
 
-    def train_rows(self, cfg: MasterConfig) -> int:
-        opts = cfg.storage.storage_options or None
-        return _dpo_rows(cfg.model_dump_json(), json.dumps(opts, sort_keys=True) if opts else "")
+    def row_seed(self, cfg: MasterConfig) -> int:
+        return pairs_seed(cfg)
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         """The pairs a run would freeze read (a resume reads its frozen copy: not checked again)."""
         opts = cfg.storage.storage_options or None
-        splits = ["train"] + (["val"] if cfg.dpo.val_period else [])
+        splits = ["train"] + (["val"] if self._section(cfg).validates else [])
         for split in splits:
             if layout is not None and supervised_snapshot_committed(layout, split, opts):
                 continue
@@ -94,13 +97,13 @@ class DPORecipe(SupervisedRecipe):
     def prepare(self, layout: RunLayout, cfg: MasterConfig, tokenizer: Any) -> dict[str, list[dict[str, str]]]:
         opts = cfg.storage.storage_options or None
         out = {"preferences": snapshot_preferences(layout, cfg, opts)}
-        if cfg.dpo.val_period:
+        if self._section(cfg).validates:
             out["preferences_val"] = snapshot_preferences(layout, cfg, opts, "val")
         return out
 
     def repairs(self, cfg: MasterConfig, layout: RunLayout, window: tuple[int, int], skip: Sequence[tuple[int, str]]) -> tuple[str, ...]:
         snapshot = snapshot_repair(layout, cfg, cfg.storage.storage_options or None)
-        return supervised.repairs(layout, cfg, DPO_GRAPH, window, skip, snapshot)
+        return supervised.repairs(layout, cfg, self.graph, window, skip, snapshot)
 
     def inputs(self, ctx: StepContext, version: int, *, overlap: bool = False) -> dict[str, Any]:
         return {"pairs": preference_pairs(quote(ctx))}
@@ -122,13 +125,6 @@ def supervised_snapshot_committed(layout: RunLayout, split: str, opts: dict[str,
 
 
 #: DPO's recipe
-@functools.lru_cache(maxsize=16)
-def _dpo_rows(cfg_json: str, opts_json: str) -> int:
-    """Train pairs of a DPO config's data and seed, read once per config (the budget is asked for often)."""
-    cfg = MasterConfig.model_validate(json.loads(cfg_json))
-    return len(source_preferences(cfg, json.loads(opts_json) if opts_json else None, "train"))
-
-
 DPO = DPORecipe()
 
 

@@ -39,6 +39,12 @@ refit, validation, metrics line, is done).
 After each step the driver hands its references to ``publish`` (the metrics line, artifacts,
 trackers) and calls ``after_step`` (retention); ``fence()`` runs before each step's train and
 raises when this flow may no longer write the run.
+
+**Early stop** (the recipe's :meth:`~flows.run.recipe.Recipe.stop_rule`, GRPO's
+``grpo.stop_at_validation_metric``): after a validated step whose figure reaches the threshold no
+later step runs (the rest of its segment's steps do nothing; async generations already submitted
+end first). A resume of such a run runs its last step once more, as every resume does, finds the
+same committed validation and stops there again: an early-stopped run stays finished.
 """
 
 from __future__ import annotations
@@ -154,6 +160,9 @@ class StepDriver:
         self.current = 1  # the step being run (what a fault outside any stage is charged to)
         #: versions a scheduled refit sends (async: the versions a later generation needs)
         self.refits = {e.version for e in self.schedule.events() if e.refits}
+        self.stop_rule = recipe.stop_rule(run.cfg)
+        #: (step, why) once a validation reached the recipe's early stop: no later step runs
+        self.stopped: tuple[int, str] | None = None
 
     def _units(self) -> tuple[StepUnit, SegmentUnit | None, int]:
         """How synchronous steps run (``logger.step_subflows``, ``logger.steps_per_subflow``):
@@ -181,6 +190,8 @@ class StepDriver:
             lane = InputLane(self.run, self.recipe)
             try:
                 self._run_phases(lane, max(1, held))
+                if self.stopped is not None:
+                    lane.settle()  # async: generations submitted ahead of the stop end before the run does
                 return self.walls
             except BaseException as exc:
                 lane.settle()  # recovery refits the generation workers: nothing may be generating
@@ -195,6 +206,8 @@ class StepDriver:
         """The schedule's phases from train ``start`` on (steps before ``start`` are trained,
         their generations done)."""
         for phase in self.schedule.phases():
+            if self.stopped is not None:
+                return
             todo = [e for e in phase if e.trains and e.step >= start and e.step not in self.finished]
             if not self.schedule.lookahead:  # age 0: the phases of a step are one unit
                 for e in todo:
@@ -204,6 +217,8 @@ class StepDriver:
             if gens:
                 lane.submit(gens)
             for e in todo:
+                if self.stopped is not None:
+                    return
                 ctx, plan, t0 = self._begin(e.step)
                 datasets = self.recipe.update(ctx, lane.take(e.step, self.schedule.generation_version(e.step)))
                 refit = self.recipe.actors.generation and (e.step in self.refits or plan.validate)
@@ -213,7 +228,7 @@ class StepDriver:
     def _sync(self, step: int) -> None:
         """Age 0: step ``step``, in its segment's subflow when steps are grouped (the segment runs
         the following steps of its grid cell too), else as its own unit."""
-        if step in self.finished:  # run by the segment of an earlier step
+        if step in self.finished or self.stopped is not None:  # run by the segment of an earlier step; stopped
             return
         if self.segment_unit is None:
             self._sync_step(step)
@@ -226,7 +241,10 @@ class StepDriver:
         self.segment_unit(StepSegment(self.run.run_id, step, last, attempt), self._sync_step)
 
     def _sync_step(self, step: int) -> None:
-        """Age 0: step ``step`` as one unit (its subflow when each step is one; ``-retryN`` when run again)."""
+        """Age 0: step ``step`` as one unit (its subflow when each step is one; ``-retryN`` when run again);
+        nothing once the run stopped early (the rest of a segment's steps)."""
+        if self.stopped is not None:
+            return
         ctx, plan, t0 = self._begin(step)
         attempt = self.attempts[step] = self.attempts.get(step, 0) + 1
         self._finish(ctx, self.step_unit(quote(ctx), replace(plan, attempt=attempt)), plan, t0)
@@ -249,3 +267,8 @@ class StepDriver:
             self.after_step(refs.step)
         self.finished.add(refs.step)
         self.walls[refs.step] = wall
+        if self.stop_rule is not None and plan.validate and refs.val is not None:
+            why = self.stop_rule.reached(refs.val.summary())
+            if why is not None:
+                self.stopped = (refs.step, why)
+                self.log.info("step %d: %s", refs.step, why)

@@ -31,7 +31,8 @@ from prefect import flow, get_run_logger
 
 import storage
 import storage as _st
-from flows.config import MasterConfig, load_config
+from flows.algorithms.registry import recipe_of
+from flows.config import ConfigError, MasterConfig, load_config
 from flows.observe.artifacts import publish_eval_table
 from flows.observe.eval_view import is_prefix, target_label
 from flows.observe.flow_run_meta import add_flow_run_tags, run_tag
@@ -184,6 +185,7 @@ def evaluate_checkpoint(
     root = check_storage_root(storage or "./runs", create=False)
     tag_eval_run([run_id])
     cfg = load_run_config(run_id, root)
+    check_generates(cfg, run_id)
     with reading_session(cfg):  # the retry policy; a local Ray it starts ends with it (flows.run.session)
         recs = _records(cfg, run_id, dataset, max_prompts)
         connect_ray(cfg)
@@ -273,6 +275,7 @@ def eval_sweep(
         run_ids = [r["run_id"] for r in list_runs(root)]
     else:
         root = check_storage_root(storage or "./runs", create=False)
+        check_generates(load_run_config(target, root), target)
         run_ids = [target]
         tag_eval_run(run_ids)
     out: dict[str, list[Any]] = {"evaluated": [], "skipped": [], "vanished": [], "busy": [], "rows": []}
@@ -300,8 +303,22 @@ def _sweep_run(
     """Evaluate the checkpoints of one run that have no evaluation (each ``run/checkpoint`` appended
     to its outcome's list in ``out``); return the run's rows."""
     cfg = load_run_config(run_id, root)
+    if recipe_of(cfg).product != "policy":  # a prefix's reward-model runs: nothing to generate with
+        get_run_logger().info("eval sweep: run %s trains a reward model: not evaluated (its validation is its "
+                              "held-out pair accuracy)", run_id)
+        return []
     with retry_policy(cfg.storage.retry.policy()):  # the run's storage retry policy, as its own flows apply it
         return _sweep_checkpoints(cfg, root, run_id, dataset, num_samples, max_prompts, out)
+
+
+def check_generates(cfg: MasterConfig, run_id: str) -> None:
+    """``ConfigError`` for a run whose checkpoints are not a policy (a reward model: ``nrl rm``):
+    an evaluation generates answers with them."""
+    recipe = recipe_of(cfg)
+    if recipe.product != "policy":
+        raise ConfigError(f"run {run_id!r} ({recipe.kind}) trains a reward model: its checkpoints answer no prompts, which "
+                          f"an evaluation asks of them; its held-out pair accuracy is the run's validation "
+                          f"({recipe.section}.val_period, {recipe.section}.val_at_end: val_accuracy in metrics.jsonl)")
 
 
 def _sweep_checkpoints(

@@ -27,8 +27,6 @@ and the last (bounded: :mod:`flows.observe.artifacts`), one INFO log line and a 
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,7 +41,8 @@ from flows.observe.artifacts import rollouts_markdown
 from flows.observe.metrics import build_step_metrics, format_console_line, rebuild_step_metrics
 from flows.observe.summary import GRPO_FIELDS
 from flows.run.preflight import check_prompt_files
-from flows.run.recipe import Actors, Retries
+from flows.algorithms.epochs import epoch_problems, epoch_steps, train_row_count
+from flows.run.recipe import Actors, Retries, StopRule
 from flows.run.recompute import check_resume_data
 from nrl_tasks.run_layout import RunLayout
 from nrl_tasks.stages.context import RunContext, StepContext
@@ -83,22 +82,27 @@ class GRPORecipe:
     section = "grpo"
     graph = GRPO_GRAPH
     actors = Actors(generation=True, reward_model=True, environment=True)
-    unread_sections = ("dpo", "sft")
+    product = "policy"
+    unread_sections = ("dpo", "sft", "rm")
     summary = GRPO_FIELDS
 
     def budget(self, cfg: MasterConfig) -> int:
         """``grpo.max_num_steps``, or fewer: ``max_num_epochs`` passes over the train prompts (NeMo-RL's
         ``max_num_epochs * len(dataloader)``, the dataloader dropping a last partial batch)."""
         g = cfg.grpo
-        if g.max_num_epochs is None:
-            return g.max_num_steps
-        return min(g.max_num_steps, g.max_num_epochs * (train_prompt_count(cfg) // g.num_prompts_per_step))
+        return epoch_steps(g.max_num_steps, g.max_num_epochs, lambda: train_prompt_count(cfg), g.num_prompts_per_step)
 
     def validation_due(self, cfg: MasterConfig, step: int) -> bool:
         g = cfg.grpo
         if step == 0:
             return bool(g.val_at_start and g.val_period)
-        return bool(g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
+        return bool(g.val_period and step % g.val_period == 0) or (g.val_at_end and step == self.budget(cfg))
+
+    def stop_rule(self, cfg: MasterConfig) -> StopRule | None:
+        g = cfg.grpo
+        if g.stop_at_validation_metric is None or g.stop_at_validation_threshold is None:
+            return None
+        return StopRule(f"val_{g.stop_at_validation_metric}", g.stop_at_validation_threshold, "grpo.stop_at_validation_metric")
 
     def retries(self, cfg: MasterConfig) -> Retries:
         g = cfg.grpo
@@ -115,15 +119,8 @@ class GRPORecipe:
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
         g = cfg.grpo
-        if g.max_num_epochs is not None:
-            try:
-                n = train_prompt_count(cfg)
-            except (OSError, ValueError):
-                return []  # the data check names the file
-            if n < g.num_prompts_per_step:
-                return [f"grpo.max_num_epochs={g.max_num_epochs}: the train split's {n} prompts make no step of "
-                        f"grpo.num_prompts_per_step={g.num_prompts_per_step} (NeMo-RL drops a last partial batch)"]
-        return []
+        return epoch_problems("grpo", g.max_num_epochs, lambda: train_prompt_count(cfg), g.num_prompts_per_step,
+                              "grpo.num_prompts_per_step", "prompts")
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         check_prompt_files(cfg)
@@ -191,15 +188,7 @@ class GRPORecipe:
 
 def train_prompt_count(cfg: MasterConfig) -> int:
     """Rows of the run's train split (``grpo.max_num_epochs``)."""
-    opts = cfg.storage.storage_options or None
-    return _train_rows(cfg.data.model_dump_json(), cfg.grpo.seed, json.dumps(opts, sort_keys=True) if opts else "")
-
-
-@functools.lru_cache(maxsize=16)
-def _train_rows(data_json: str, seed: int, opts_json: str) -> int:
-    """Read once per data config: the budget is asked for often."""
-    data = type(MasterConfig.model_fields["data"].get_default(call_default_factory=True)).model_validate_json(data_json)
-    return len(load_prompt_records(data, "train", seed, json.loads(opts_json) if opts_json else None))
+    return train_row_count(load_prompt_records, cfg, cfg.grpo.seed)
 
 
 #: GRPO's recipe

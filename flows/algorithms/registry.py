@@ -6,7 +6,7 @@ key as ``module:attribute`` and loaded from there, like ``env.environment``.
 
 A run's kind is read from its config, once (:func:`nrl_tasks.config.master.config_kind`): the
 ``algorithm`` key when set, else the algorithm whose section the config has (``dpo:`` -> DPO,
-``sft:`` -> SFT), else GRPO, whose section every config has (its defaults). The run's
+``sft:`` -> SFT, ``rm:`` -> reward-model training), else GRPO, whose section every config has (its defaults). The run's
 ``status.json`` records the kind too (``nrl runs``).
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from flows.algorithms.dpo import DPO
 from flows.algorithms.grpo import GRPO
+from flows.algorithms.rm import RM
 from flows.algorithms.sft import SFT
 from flows.config import ConfigError, MasterConfig
 from flows.run.recipe import Recipe
@@ -26,7 +27,7 @@ from nrl_tasks.config.master import config_kind
 __all__ = ["RECIPES", "recipe_for", "recipe_of"]
 
 #: every registered algorithm, by kind
-RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT)}
+RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT, RM)}
 
 
 def recipe_for(kind: str) -> Recipe:

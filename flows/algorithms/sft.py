@@ -22,8 +22,6 @@ each step's recorded weights checksum). Its checkpoints' ``weights`` folders loa
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,30 +49,28 @@ class SFTRecipe(SupervisedRecipe):
     kind = "sft"
     section = "sft"
     graph = SFT_GRAPH
-    unread_sections = ("loss_fn", "dpo")
+    unread_sections = ("loss_fn", "dpo", "rm")
     summary = SummaryFields(curve="loss", curve_label="loss", eval_metric="val_loss", eval_label="held-out loss",
                             higher_is_better=False)
     train_keys = TRAIN_KEYS
     update_fn = staticmethod(sft_update)
     validate_task = staticmethod(sft_validate)
+    row_loader = staticmethod(load_sft_records)
     console_figures = (("loss", "loss", ".4f"), ("grad_norm", "grad_norm", ".3f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:
         problems = []
-        if cfg.sft.val_period and cfg.data.dataset == "file" and not cfg.data.val_path:
-            problems.append(f"sft.val_period = {cfg.sft.val_period} needs held-out rows: set data.val_path (an SFT file)")
-        if cfg.data.split_validation_size:
-            problems.append("data.split_validation_size: holding SFT rows out of the train file is not implemented; "
-                            "give data.val_path")
+        if cfg.sft.validates and cfg.data.dataset == "file" and not (cfg.data.val_path or cfg.data.split_validation_size):
+            problems.append(f"sft.val_period = {cfg.sft.val_period} (or sft.val_at_end) needs held-out rows: "
+                            "set data.val_path (an SFT file) or data.split_validation_size")
         return problems + self.epoch_problems(cfg)
 
-    def train_rows(self, cfg: MasterConfig) -> int:
-        opts = cfg.storage.storage_options or None
-        return _sft_rows(cfg.data.model_dump_json(), cfg.grpo.seed, json.dumps(opts, sort_keys=True) if opts else "")
+    def row_seed(self, cfg: MasterConfig) -> int:
+        return cfg.grpo.seed
 
     def check_data(self, cfg: MasterConfig, layout: RunLayout | None) -> None:
         opts = cfg.storage.storage_options or None
-        for split in ["train"] + (["val"] if cfg.sft.val_period else []):
+        for split in ["train"] + (["val"] if cfg.sft.validates else []):
             try:
                 load_sft_records(cfg.data, split, cfg.grpo.seed, opts)
             except (OSError, ValueError) as exc:
@@ -82,7 +78,7 @@ class SFTRecipe(SupervisedRecipe):
 
     def prepare(self, layout: RunLayout, cfg: MasterConfig, tokenizer: Any) -> dict[str, list[dict[str, str]]]:
         opts = cfg.storage.storage_options or None
-        splits = ["train"] + (["val"] if cfg.sft.val_period else [])
+        splits = ["train"] + (["val"] if cfg.sft.validates else [])
         return {split: snapshot_records(layout, cfg, split, None, opts, load=load_sft_records) for split in splits}
 
     def repairs(self, cfg: MasterConfig, layout: RunLayout, window: tuple[int, int], skip: Sequence[tuple[int, str]]) -> tuple[str, ...]:
@@ -97,12 +93,6 @@ class SFTRecipe(SupervisedRecipe):
     def recompute(self, run: RunContext, step: int, generation_version: int) -> None:
         sft_batch(quote(run.step(step)))
 
-
-@functools.lru_cache(maxsize=16)
-def _sft_rows(data_json: str, seed: int, opts_json: str) -> int:
-    """Train rows of an SFT data config, read once per config (the budget is asked for often)."""
-    data = type(MasterConfig.model_fields["data"].get_default(call_default_factory=True)).model_validate_json(data_json)
-    return len(load_sft_records(data, "train", seed, json.loads(opts_json) if opts_json else None))
 
 
 #: SFT's recipe

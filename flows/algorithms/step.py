@@ -73,12 +73,17 @@ class StepPlan:
 
 def step_plan(cfg: MasterConfig, recipe: Recipe, step: int, *, chash: str, write_line: bool = True) -> StepPlan:
     """What step ``step`` of a run of ``recipe`` does besides its data stages: a checkpoint every
-    ``checkpointing.save_period`` steps and at the last, validation when the recipe says."""
+    ``checkpointing.save_period`` steps and at the last, validation when the recipe says; with an
+    early stop (:meth:`~flows.run.recipe.Recipe.stop_rule`) a validated step saves a checkpoint too
+    (the run may end there)."""
     last = recipe.budget(cfg)
     ck = cfg.checkpointing
+    validate = recipe.validation_due(cfg, step)
+    may_stop = validate and recipe.stop_rule(cfg) is not None
     return StepPlan(
-        max_steps=last, config_hash=chash, checkpoint=bool(ck.enabled and (step % ck.save_period == 0 or step == last)),
-        validate=recipe.validation_due(cfg, step), write_line=write_line,
+        max_steps=last, config_hash=chash,
+        checkpoint=bool(ck.enabled and (step % ck.save_period == 0 or step == last or may_stop)),
+        validate=validate, write_line=write_line,
     )
 
 

@@ -22,6 +22,7 @@ from prefect.utilities.annotations import quote
 from flows.algorithms.training import recipe_flow
 from flows.config import MasterConfig
 from flows.observe.metrics import mark_rebuilt, stage_figures, stored_step
+from flows.algorithms.epochs import RowLoader, epoch_problems, epoch_steps, train_row_count
 from flows.run.recipe import Actors, Retries
 from flows.run.recompute import remake_damaged
 from nrl_tasks.run_layout import RunLayout
@@ -44,8 +45,11 @@ def schedule(budget: int) -> StepSchedule:
     return StepSchedule(budget)
 
 
-def validation_due(section: Any, step: int) -> bool:
-    """``val_period`` steps apart (0: never); step 0 (the initial weights) with ``val_at_start``."""
+def validation_due(section: Any, step: int, last: int) -> bool:
+    """``val_period`` steps apart (0: none); step 0 (the initial weights) with ``val_at_start``
+    and ``val_period``; step ``last`` (the run's budget) with ``val_at_end``."""
+    if step and step == last and section.val_at_end:
+        return True
     if not section.val_period:
         return False
     return bool(section.val_at_start) if step == 0 else step % section.val_period == 0
@@ -123,6 +127,7 @@ class SupervisedRecipe:
     (``(label, key, format)`` of its console line) and implements its data and stages."""
 
     actors = Actors()
+    product = "policy"
     section: str
     graph: StageGraph
     train_keys: tuple[str, ...] = ()
@@ -131,6 +136,12 @@ class SupervisedRecipe:
     update_fn: Callable[[RunContext, Mapping[str, Any]], dict[str, float]]
     #: its validation task (``ctx`` quoted -> the step's ``val``)
     validate_task: Callable[[Any], DatasetRef]
+    #: ``load(data_cfg, split, seed, storage_options)``: a split's rows (:mod:`flows.algorithms.epochs`)
+    row_loader: RowLoader
+
+    def row_seed(self, cfg: MasterConfig) -> int:
+        """The seed its ``row_loader`` draws the built-in task's rows (and the held-out slice) with."""
+        raise NotImplementedError
 
     def train_once(self, run: RunContext, batches: Mapping[str, Any]) -> dict[str, float]:
         return self.update_fn(run, batches)
@@ -150,31 +161,23 @@ class SupervisedRecipe:
         ``policy.train_global_batch_size`` a step (NeMo-RL's ``max_num_epochs * len(dataloader)``,
         the dataloader dropping a last partial batch)."""
         section = self._section(cfg)
-        if section.max_num_epochs is None:
-            return section.max_num_steps
-        return min(section.max_num_steps, section.max_num_epochs * (self.train_rows(cfg) // cfg.policy.train_global_batch_size))
+        return epoch_steps(section.max_num_steps, section.max_num_epochs, lambda: self.train_rows(cfg),
+                           cfg.policy.train_global_batch_size)
 
     def train_rows(self, cfg: MasterConfig) -> int:
-        """Rows of the run's train split (``max_num_epochs``)."""
-        raise NotImplementedError
+        """Rows of the run's train split (``max_num_epochs``): its ``row_loader``'s, drawn with ``row_seed``."""
+        return train_row_count(self.row_loader, cfg, self.row_seed(cfg))
 
     def epoch_problems(self, cfg: MasterConfig) -> list[str]:
         """``max_num_epochs`` with too few train rows for one step."""
-        section = self._section(cfg)
-        if section.max_num_epochs is None:
-            return []
-        try:
-            n = self.train_rows(cfg)
-        except (OSError, ValueError):
-            return []  # the data check names the file
-        gbs = cfg.policy.train_global_batch_size
-        if n < gbs:
-            return [f"{self.section}.max_num_epochs={section.max_num_epochs}: the train split's {n} rows make no step of "
-                    f"policy.train_global_batch_size={gbs} (NeMo-RL drops a last partial batch)"]
-        return []
+        return epoch_problems(self.section, self._section(cfg).max_num_epochs, lambda: self.train_rows(cfg),
+                              cfg.policy.train_global_batch_size, "policy.train_global_batch_size", "rows")
 
     def validation_due(self, cfg: MasterConfig, step: int) -> bool:
-        return validation_due(self._section(cfg), step)
+        return validation_due(self._section(cfg), step, self.budget(cfg))
+
+    def stop_rule(self, cfg: MasterConfig) -> None:
+        return None  # NeMo-RL's DPO and SFT have no early stop
 
     def retries(self, cfg: MasterConfig) -> Retries:
         return DEFAULT_RETRIES

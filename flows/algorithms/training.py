@@ -166,16 +166,19 @@ def run_steps(
         publisher.close()
         trackers.close()
     links = trackers.links()
+    end = driver.stopped[0] if driver.stopped is not None else recipe.budget(cfg)  # the run's last step
 
     def publish_final(closed_history: list[dict[str, Any]]) -> None:
         """The summary once more when ``status.json`` says completed: this flow's entry closed."""
         if cfg.logger.artifacts:
             artifacts.summary.history = list(closed_history)
-            publish_summary(run.step(recipe.budget(cfg)), recipe, read_metrics(layout.metrics_uri, opts), recipe.budget(cfg),
+            publish_summary(run.step(end), recipe, read_metrics(layout.metrics_uri, opts), recipe.budget(cfg),
                             links, artifacts.summary)
 
+    stopped = {"stopped_early": {"step": end, "why": driver.stopped[1]}} if driver.stopped is not None else {}
     return {"restored": {k: v for k, v in restored.items() if k != "plan"}, "first_step": last + 1, "publish_final": publish_final,
-            "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0}
+            "step_wall_s": [w for s, w in sorted(walls.items()) if s > last], "loop_s": time.perf_counter() - loop_t0,
+            "last_step": end, **stopped}
 
 
 def _logger() -> Any:
@@ -248,17 +251,17 @@ def train_run(
                 fence=session.fence, optimizer_reset=session.start.optimizer_reset, history=session.history,
             )
             session.on_completed.append(info.pop("publish_final"))
-            session.finish(restored=info["restored"])
+            session.finish(restored=info["restored"], last_step=info["last_step"],
+                           **({"stopped_early": info["stopped_early"]} if "stopped_early" in info else {}))
     rows = read_metrics(layout.metrics_uri, opts)
     return {
         "run_id": run_id,
         "run_uri": layout.run_uri,
-        "last_step": recipe.budget(cfg),
         "metrics_uri": layout.metrics_uri,
         "checkpoints": [u for _, u in list_checkpoints(layout.checkpoints_uri, opts)],
         "final_metrics": rows[-1] if rows else None,
         "final_line": recipe.console_line(run_id, rows[-1], recipe.budget(cfg)) if rows else None,
-        **info,
+        **info,  # last_step: the budget, or the step an early stop ended the run at
     }
 
 

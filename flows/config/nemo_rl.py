@@ -32,6 +32,8 @@ from pydantic import BaseModel
 
 from flows.config.compose import compose_file, resolve_interpolations
 from flows.config.nemo_rl_data import KEY_FATES, map_datasets
+from nrl_tasks.config.base import flatten
+from nrl_tasks.config.bounds import MAX_STEPS
 from nrl_tasks.config.master import MasterConfig
 
 __all__ = ["RULES", "Fate", "Rule", "Translation", "fate_lines", "leaf_keys", "rule_for", "translate"]
@@ -79,6 +81,19 @@ class Rule:
     moot_if: tuple[str, Any] | None = None  # honoured too when this key of the same section has this value
 
 
+#: the most validation batches one validation reads here (``SupervisedValidation.val_batches``' bound)
+_ALL_VAL_BATCHES = 10_000
+
+
+def _unlimited(bound: int) -> Callable[[Any], Any]:
+    """NeMo-RL's ``-1`` (no limit) as ``bound``; any other value as it is.
+
+    >>> _unlimited(7)(-1), _unlimited(7)(3)
+    (7, 3)
+    """
+    return lambda v: bound if v == -1 else v
+
+
 def _metric_name(value: Any) -> Any:
     """NeMo-RL's ``val:<name>`` / ``train:<name>`` (``val:validation-<set>_loss`` for a named
     validation set) as a column of this project's metrics lines.
@@ -99,11 +114,10 @@ def _metric_name(value: Any) -> Any:
 _GPU_ENV = ("PYTORCH_CUDA_", "CUDA_", "NCCL_", "NVTE_", "TORCH_NCCL_")
 _HUB_DATA = ("a local ResponseDataset / BinaryPreferenceDataset file is `data.dataset: file`, `data.train_path` and the "
              "row keys (flows/config/nemo_rl_data.py); a hub dataset is refused with the override that works")
-_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo and sft"
+_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo, sft and rm"
 
 RULES: tuple[Rule, ...] = (
     # ---- NeMo-RL's algorithms not built here yet (issue 43)
-    Rule("rm", "refused", f"reward-model training (NeMo-RL's `rm` section) is not implemented yet; {_ALGORITHMS_HERE}"),
     Rule("distillation", "refused", f"on-policy distillation (NeMo-RL's `distillation` section) is not implemented yet; "
          f"{_ALGORITHMS_HERE}"),
     Rule("ppo", "refused", f"PPO with a value model (NeMo-RL's `ppo` section) is not implemented yet; {_ALGORITHMS_HERE}"),
@@ -111,9 +125,6 @@ RULES: tuple[Rule, ...] = (
     Rule("grpo.val_start_at", "refused", "delayed periodic validation is not implemented", off_is(-1, None)),
     Rule("grpo.val_num_generations_per_prompt", "refused",
          "validation scores one greedy response per prompt here (`nrl eval --num-samples K` gives pass@k)", off_is(1)),
-    Rule("grpo.stop_at_validation_metric", "refused", "early stopping on a validation metric is not implemented "
-         "(a pipeline stage's `gate` stops before the next stage)", OFF_NULL),
-    Rule("grpo.stop_at_validation_threshold", "refused", "early stopping on a validation metric is not implemented", OFF_NULL),
     Rule("grpo.seq_logprob_error_threshold", "refused", "the sequence logprob-error filter is not implemented", OFF_NULL),
     Rule("grpo.invalid_tool_call_advantage", "refused", "tool-call advantages are not implemented", OFF_NULL),
     Rule("grpo.malformed_thinking_advantage", "refused", "<think>-tag advantages are not implemented", OFF_NULL),
@@ -130,11 +141,15 @@ RULES: tuple[Rule, ...] = (
     Rule("on_policy_distillation", "refused", "multi-teacher on-policy distillation is not implemented", OFF_NULL),
     Rule("data_plane", "mapped", "stage outputs pass between stages as Arrow datasets on the run's storage "
          "(the data plane here, always on)"),
-    # ---- dpo, sft
-    Rule("dpo.val_at_end", "refused", "validation after the last step is not implemented", OFF_FALSE),
-    Rule("sft.val_at_end", "refused", "validation after the last step is not implemented", OFF_FALSE),
+    # ---- dpo, sft, rm
+    *(Rule(f"{s}.max_num_steps", "mapped", f"-1 (no limit: `{s}.max_num_epochs` ends the run) is {MAX_STEPS}, the "
+           "most steps a run takes here", convert=_unlimited(MAX_STEPS)) for s in ("dpo", "sft", "rm")),
+    *(Rule(f"{s}.val_batches", "mapped", f"-1 (every held-out batch) is {_ALL_VAL_BATCHES}, the most batches a "
+           "validation reads here", convert=_unlimited(_ALL_VAL_BATCHES)) for s in ("dpo", "sft", "rm")),
     Rule("sft.only_unmask_final", "refused", "the loss covers every assistant turn here", OFF_FALSE),
     # ---- policy
+    Rule("policy.activation_checkpointing_enabled", "mapped", "`policy.dtensor_cfg.activation_checkpointing` "
+         "(NeMo-RL's older key; recomputed activations, the same numbers)", to="policy.dtensor_cfg.activation_checkpointing"),
     Rule("policy.tokenizer.chat_template_kwargs", "refused", "chat-template keyword arguments are not passed", OFF_NULL),
     Rule("policy.tokenizer.use_fastokens", "ignored", "a faster tokenizer of the same tokens"),
     Rule("policy.hf_config_overrides", "refused", "model-config overrides are not applied", OFF_EMPTY),
@@ -221,7 +236,10 @@ RULES: tuple[Rule, ...] = (
     Rule("logger.gpu_monitoring", "ignored", "GPU monitoring"),
     Rule("logger.swanlab_enabled", "refused", "SwanLab is not supported (TensorBoard, MLflow and W&B are)", OFF_FALSE),
     Rule("logger.swanlab", "ignored", "read only with `logger.swanlab_enabled`"),
-    Rule("logger.tensorboard", "mapped", "TensorBoard files go below the run (`logger.log_dir`)"),
+    Rule("logger.tensorboard", "mapped", "TensorBoard files go to `<logger.log_dir>/<run-id>/tensorboard`"),
+    Rule("logger.log_dir", "mapped", "NeMo-RL's `<log_dir>/exp_<n>` a run is `<log_dir>/<run-id>` here (`tensorboard/`, "
+         "`wandb/`; MLflow's store `<log_dir>/mlflow`), a relative path from the working directory as in NeMo-RL; the "
+         "run's own record (metrics.jsonl, status, summary, checkpoints) is `<storage>/<run-id>`", convert=lambda v: v),
     Rule("logger.wandb.log_nemo_gym_full_result_tables", "ignored", "NeMo-Gym payload tables"),
 )
 
@@ -326,12 +344,7 @@ def translate(data: Mapping[str, Any]) -> Translation:
 
 def leaf_keys(data: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
     """Every dotted key of ``data`` down to its leaves (an empty mapping is a leaf)."""
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            yield from leaf_keys(v, key + ".")
-        else:
-            yield key
+    yield from flatten(data, prefix)
 
 
 def fate_of(key: str, schema_keys: set[str]) -> tuple[str, str]:

@@ -17,7 +17,9 @@ Local files map to ``data.dataset: file`` with ``data.train_path`` / ``data.val_
 
 Refused by name: a hub dataset (any other ``dataset_name``: nothing is downloaded here; the error
 gives the override that works), several datasets, ``split_validation_size`` > 0 together with
-``data.validation`` (it maps to ``data.split_validation_size``: a held-out slice), a ``prompt_file`` / ``system_prompt_file`` (not read yet), and
+``data.validation`` (it maps to ``data.split_validation_size``: a held-out slice), a ``prompt_file`` /
+``system_prompt_file`` that cannot be read (both map to ``data.prompt_template`` /
+``data.system_prompt``: the files' text, read when the config loads), and
 ``env_name`` other than ``math`` (which maps to the math-verify reward,
 :mod:`nrl_tasks.environments.math_verify`, unless ``env.reward_fn`` names another scorer).
 ``processor`` maps to the algorithm's own row reader; ``split``, ``subset`` and the split ``seed``
@@ -26,6 +28,7 @@ only apply to hub datasets and splitting.
 
 from __future__ import annotations
 
+import string
 from typing import Any, Mapping
 
 from nrl_tasks.environments.math_verify import MATH_REWARD_FN
@@ -48,9 +51,11 @@ KEY_FATES: dict[str, tuple[str, str]] = {
     "chosen_key": ("honoured when 'chosen', else refused", "the pair reader's column"),
     "rejected_key": ("honoured when 'rejected', else refused", "the pair reader's column"),
     "split_validation_size": ("honoured", "`data.split_validation_size`: that fraction of the train file held out as "
-                              "the validation split (GRPO; DPO and SFT: refused, give data.validation)"),
-    "prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
-    "system_prompt_file": ("honoured when null, else refused", "prompt files are not read yet"),
+                              "the validation split (drawn with `data.split_seed`), the rest trained on"),
+    "prompt_file": ("mapped", "`data.prompt_template`: the file's text read when the config loads (its `{}` as "
+                    "`{prompt}`), saved in the run's config"),
+    "system_prompt_file": ("mapped", "`data.system_prompt`: the file's text read when the config loads, saved in the "
+                           "run's config"),
     "env_name": ("mapped when math, honoured when null, else refused",
                  f"`math` is env.reward_fn={MATH_REWARD_FN} (math-verify), unless env.reward_fn names another scorer"),
     **{k: ("ignored", "applies to hub datasets only") for k in ("split", "subset")},
@@ -83,10 +88,7 @@ def _one(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, An
     if spec.get("repeat") not in (None, 1):
         errors.append(f"{where}.repeat: repeating the validation set is not implemented (`nrl eval --num-samples K` "
                       f"samples K responses per prompt); set `{where}.repeat=1`")
-    for key in ("prompt_file", "system_prompt_file"):
-        if spec.get(key) is not None:
-            errors.append(f"{where}.{key}: prompt files are not read yet (`data.prompt_template`, `data.system_prompt` "
-                          f"are this project's); set `data.default.{key}=null`")
+    prompts = _prompt_files(where, spec, errors)
     if name == _PAIRS:
         for key, ours in (("chosen_key", "chosen"), ("rejected_key", "rejected")):
             if spec.get(key, ours) != ours:
@@ -94,11 +96,67 @@ def _one(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, An
         keys = {"prompt_key": spec.get("prompt_key", "prompt")}
     else:
         keys = {"prompt_key": spec.get("input_key", "input"), "answer_key": spec.get("output_key", "output")}
-    if spec.get("split_validation_size"):  # held out of the train file (GRPO's prompt files)
+    if spec.get("split_validation_size"):  # held out of the train file
         keys["split_validation_size"] = spec["split_validation_size"]
         if spec.get("seed") is not None:
             keys["split_seed"] = spec["seed"]
-    return {"path": spec.get("data_path"), **keys}
+    return {"path": spec.get("data_path"), **keys, **prompts}
+
+
+#: the most bytes of a prompt file read
+MAX_PROMPT_FILE_BYTES = 1 << 20
+
+
+def _prompt_files(where: str, spec: Mapping[str, Any], errors: list[str]) -> dict[str, str]:
+    """``prompt_file`` as ``data.prompt_template`` (:func:`nemo_prompt_template`) and
+    ``system_prompt_file`` as ``data.system_prompt``: the files' text, read now (a path from the
+    working directory, as NeMo-RL reads it), so the run's saved config holds it."""
+    out: dict[str, str] = {}
+    for key, ours in (("prompt_file", "prompt_template"), ("system_prompt_file", "system_prompt")):
+        path = spec.get(key)
+        if path is None:
+            continue
+        try:
+            with open(str(path), "rb") as fh:
+                raw = fh.read(MAX_PROMPT_FILE_BYTES + 1)
+            if len(raw) > MAX_PROMPT_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_PROMPT_FILE_BYTES} bytes")
+            text = raw.decode("utf-8")
+            out[ours] = nemo_prompt_template(text) if key == "prompt_file" else text
+        except FileNotFoundError:
+            errors.append(f"{where}.{key}: no file {str(path)!r} (a path from the working directory, as NeMo-RL "
+                          f"reads it: copy NeMo-RL's examples/prompts/ here or give the path; or `data.default.{key}=null`)")
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            errors.append(f"{where}.{key}: {str(path)!r}: {exc}")
+    return out
+
+
+def nemo_prompt_template(text: str) -> str:
+    """A NeMo-RL prompt file's text (``text.format(problem)``: one positional ``{}``, literal braces
+    doubled) as ``data.prompt_template`` (the literal text with ``{prompt}`` where the problem goes,
+    :func:`nrl_tasks.stages.data.prompt_messages`), the same prompt for every problem.
+
+    >>> nemo_prompt_template("Q: {} (answer inside {{}})")
+    'Q: {prompt} (answer inside {})'
+    >>> nemo_prompt_template("no slot")
+    Traceback (most recent call last):
+    ...
+    ValueError: a prompt file needs one {} where the problem goes (NeMo-RL formats it with the problem), found 0
+    """
+    parts, slots = [], 0
+    for literal, field, spec, conversion in string.Formatter().parse(text):
+        if "{prompt}" in literal:
+            raise ValueError("a prompt file's text holds a literal {prompt}, which the template would fill too")
+        parts.append(literal)
+        if field is not None:
+            if field not in ("", "0") or spec or conversion:
+                raise ValueError(f"a prompt file's only placeholder is {{}} (the problem), found {{{field}}}")
+            slots += 1
+            parts.append("{prompt}")
+    if slots != 1:
+        raise ValueError(f"a prompt file needs one {{}} where the problem goes (NeMo-RL formats it with the problem), "
+                         f"found {slots}")
+    return "".join(parts)
 
 
 def map_datasets(data: dict[str, Any], env_reward_fn: Any, errors: list[str]) -> list[tuple[str, str]]:
@@ -126,11 +184,11 @@ def map_datasets(data: dict[str, Any], env_reward_fn: Any, errors: list[str]) ->
         section.update(dataset="file", train_path=ours.pop("path"), **ours)
         mapped.append(("data.train", f"data.dataset=file, data.train_path, {', '.join(f'data.{k}' for k in ours)}"))
     if val is None and not section.get("split_validation_size"):  # NeMo-RL validates nothing without a validation set
-        for algo in ("grpo", "dpo", "sft"):
-            if isinstance(data.get(algo), dict) and (data[algo].get("val_period") or data[algo].get("val_at_start")):
-                data[algo].update(val_period=0, val_at_start=False)
+        for algo in ("grpo", "dpo", "sft", "rm"):
+            if isinstance(data.get(algo), dict) and any(data[algo].get(k) for k in ("val_period", "val_at_start", "val_at_end")):
+                data[algo].update(val_period=0, val_at_start=False, val_at_end=False)
                 mapped.append(("data.validation", f"null: no validation, as NeMo-RL skips it without a validation set "
-                                                  f"({algo}.val_period=0, {algo}.val_at_start=false)"))
+                                                  f"({algo}.val_period=0, {algo}.val_at_start=false, {algo}.val_at_end=false)"))
     if isinstance(val, Mapping) and section.get("split_validation_size"):
         errors.append("data.train.split_validation_size and data.validation: give one (a held-out slice of the train "
                       "file, or a validation file)")

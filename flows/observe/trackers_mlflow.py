@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.config import MLflowConfig
 from flows.observe.tracker_fields import eval_fields, redact_url, scalar_fields
+from nrl_tasks.config.base import flatten
 
 if TYPE_CHECKING:
     from flows.config import MLflowConfig
@@ -60,15 +61,10 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     >>> flat_params({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": "http://u:p@h"})
     {'a.b': '1', 'a.c': '[1, 2]', 'd': 'None', 'e': 'http://***@h'}
     """
-    out: dict[str, str] = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flat_params(v, key + "."))
-        else:
-            text = v if isinstance(v, str) else (json.dumps(v) if isinstance(v, (list, dict)) else str(v))
-            out[key] = redact_url(text)[:_PARAM_VALUE_LEN]
-    return out
+    def text(v: Any) -> str:
+        return v if isinstance(v, str) else (json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+
+    return {key: redact_url(text(v))[:_PARAM_VALUE_LEN] for key, v in flatten(config, prefix).items()}
 
 
 def _is_http(uri: str) -> bool:

@@ -73,7 +73,7 @@ def hold_run_lease(
     *,
     take_over: bool = False,
     settings: LeaseSettings | None = None,
-) -> Any:
+) -> RunLease:
     """Acquire the run's lease and start its heartbeat; ``LeaseHeldError`` while another holder is live."""
 
     s = settings or LeaseSettings()
@@ -86,7 +86,7 @@ def hold_run_lease(
     return lease
 
 
-def check_fence(lease: Any) -> None:
+def check_fence(lease: RunLease) -> None:
     """Raise ``storage.lease.LeaseLostError`` when ``lease`` has been taken over (between steps:
     one listing of the lease files)."""
     lease.ensure_held()

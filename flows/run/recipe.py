@@ -10,6 +10,7 @@ algorithm's name, for what differs between algorithms::
     gen = recipe.inputs(ctx, version)    # the stages before the policy (GRPO: prompts, generate, score)
     data = recipe.update(ctx, gen)       # the policy's stages, `train` last (GRPO: logprob, advantages, train)
     recipe.validate(ctx, refit)          # when due
+    recipe.stop_rule(cfg)                # an early stop on a validation figure (GRPO's NeMo-RL keys), or None
     recipe.train_once(run, batches)      # one update from persisted batches (what a resume replays)
     recipe.metrics_line(ctx, refs, wall) # the metrics.jsonl line; console_line, summary fields
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.stages.graph import StageGraph
     from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
 
-__all__ = ["Actors", "Recipe", "Retries", "SummaryFields"]
+__all__ = ["Actors", "Recipe", "Retries", "StopRule", "SummaryFields"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,29 @@ class Retries:
     refit_delays: Sequence[float] = (1.0, 2.0, 4.0)
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """End the run after the first validated step whose figure ``column`` (a metrics column, e.g.
+    ``val_accuracy``) is at least ``threshold``; ``key`` names the config key that asked for it."""
+
+    column: str
+    threshold: float
+    key: str
+
+    def reached(self, figures: Mapping[str, Any]) -> str | None:
+        """The message saying why the run stops after a validation with ``figures``, or None.
+
+        >>> StopRule("val_accuracy", 0.5, "grpo.stop_at_validation_metric").reached({"val_accuracy": 0.625})
+        'val_accuracy 0.6250 >= 0.5 (grpo.stop_at_validation_metric): the run stops here'
+        >>> StopRule("val_accuracy", 0.5, "k").reached({"val_accuracy": 0.25}) is None
+        True
+        """
+        value = figures.get(self.column)
+        if not isinstance(value, (int, float)) or value < self.threshold:
+            return None
+        return f"{self.column} {value:.4f} >= {self.threshold} ({self.key}): the run stops here"
+
+
 @runtime_checkable
 class Recipe(Protocol):
     """One algorithm (see the module docstring). Implementations are small objects without state:
@@ -74,6 +98,9 @@ class Recipe(Protocol):
     graph: StageGraph
     #: actor groups its runs need besides the policy
     actors: Actors
+    #: what its checkpoints hold: ``"policy"`` (a causal LM the next stage starts from) or
+    #: ``"reward_model"`` (a sequence classifier the next stage scores with, ``env.reward_model``)
+    product: str
     #: config sections a run of it never reads (an override of one would change nothing)
     unread_sections: tuple[str, ...]
     summary: SummaryFields
@@ -83,6 +110,10 @@ class Recipe(Protocol):
 
     def validation_due(self, cfg: MasterConfig, step: int) -> bool:
         """Whether step ``step`` (0: before the first) is validated."""
+
+    def stop_rule(self, cfg: MasterConfig) -> StopRule | None:
+        """The early stop of ``cfg``'s runs (None: they run their budget): the driver ends the run
+        after the first validated step that reaches it, and that step saves a checkpoint."""
 
     def retries(self, cfg: MasterConfig) -> Retries:
         """The run's retry settings."""

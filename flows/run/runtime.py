@@ -152,12 +152,15 @@ class Runtime:
             model_name=resolve_model_path(self.cfg.env.reward_model.model_name),
             tokenizer={"name": None},
             reward_model_cfg={"enabled": True},
+            num_cpus_per_worker=None,  # its bundle's share
         )
         rm_cfg = type(self.cfg.policy).model_validate(data)
         try:
             self.reward_model = Policy.attach(rm_cfg, self.tokenizer, name_prefix="reward_model", namespace=self.namespace)
         except LookupError:
-            cl = self._cluster("reward", 1, 0.0)
+            # one CPU: a local Ray counts one for it (flows.run.ray_session.local_ray_cpus); a CPU-only
+            # bundle of none cannot be placed
+            cl = self._cluster("reward", 1, 1.0)
             self.reward_model = Policy(
                 cl, rm_cfg, self.tokenizer, name_prefix="reward_model", namespace=self.namespace,
                 init_optimizer=False, init_reference_model=False,

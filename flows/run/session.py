@@ -76,7 +76,7 @@ from nrl_tasks.settings import nrl_settings
 from nrl_tasks.stages.context import RunContext
 from nrl_tasks.stages.errors import describe_error, exception_chain
 from storage import fs, retry_policy
-from storage.lease import LeaseHeldError, LeaseLostError
+from storage.lease import LeaseHeldError, LeaseLostError, RunLease
 
 __all__ = ["RunIntent", "RunSession", "own_local_ray", "reading_session", "run_session", "tag_this_flow_run"]
 
@@ -132,7 +132,7 @@ class RunSession:
     layout: RunLayout
     recipe: Recipe
     flow_run_id: str | None
-    lease: Any
+    lease: RunLease
     config_hash: str
     previous: dict[str, Any]  # status.json as the previous flow of the run left it ({} for a new run)
     start: StartPlan  # what the start does (flows.run.start)
@@ -233,7 +233,7 @@ class RunSession:
         kind = attempt_kind(self.previous, self.flow_run_id, max_steps=max_steps)
         # the previous flow's entry, left open: its process is gone (crashed) or it was taken over
         was = "crashed" if alive is False else "taken over" if self.intent.take_over else None
-        gone = getattr(self.lease, "taken_from", None)  # the lease holder this flow took over: its last heartbeat
+        gone = self.lease.taken_from  # the lease holder this flow took over: its last heartbeat
         self.history = begin_attempt(
             self.previous, kind=kind, flow_run_id=self.flow_run_id, max_steps=max_steps, previous_outcome=was,
             previous_last_seen=gone.heartbeat_at if gone is not None and not gone.released else None,
@@ -254,8 +254,8 @@ class RunSession:
                 yield self
                 self.fence()  # taken over at the last moment: the new holder's status stays
                 self.history = end_attempt(self.history, "completed")
-                write_status(layout, opts, status="completed", last_step=max_steps, error=None,
-                             history=self.history, **self.end_fields)
+                write_status(layout, opts, status="completed", error=None, history=self.history,
+                             **{"last_step": max_steps, **self.end_fields})  # an early stop's last_step wins
                 for hook in self.on_completed:
                     try:
                         hook(self.history)

@@ -23,7 +23,7 @@ and an odd number of rows or a pair split across micro-batches is a ``ValueError
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from nrl_tasks.algorithms.loss_functions import LossType, _masked_inputs
 from nrl_tasks.algorithms.utils import masked_mean
 from nrl_tasks.config.base import Section
 
-__all__ = ["DPOLossConfig", "DPOLossFn"]
+__all__ = ["DPOLossConfig", "DPOLossFn", "preference_metrics"]
 
 
 class DPOLossConfig(Section):
@@ -81,17 +81,23 @@ class DPOLossFn:
         sft = mean(nll)
         loss = cfg.preference_loss_weight * pref + cfg.sft_loss_weight * sft
         with torch.no_grad():
-            metrics = {
-                "loss": loss.item(),
-                "preference_loss": pref.item(),
-                "sft_loss": sft.item(),
-                "accuracy": mean((margin > 0).float()).item(),
-                "rewards_chosen_mean": mean(chosen).item(),
-                "rewards_rejected_mean": mean(rejected).item(),
-                "rewards_margin_mean": mean(margin).item(),
-                "num_valid_samples": pairs.sum().item(),
-            }
+            metrics = {"loss": loss.item(), "preference_loss": pref.item(), "sft_loss": sft.item(),
+                       **preference_metrics(chosen, rejected, pairs, mean)}
         return loss, metrics
+
+
+def preference_metrics(chosen: Tensor, rejected: Tensor, pairs: Tensor, mean: Callable[[Tensor], Tensor]) -> dict[str, float]:
+    """The figures of a batch of pairs scored ``chosen`` / ``rejected`` (DPO's implicit rewards, a
+    reward model's scores): ``accuracy`` (share with chosen above rejected), the chosen, rejected
+    and margin means (``mean``: over the valid pairs of the global batch), ``num_valid_samples``."""
+    margin = chosen - rejected
+    return {
+        "accuracy": mean((margin > 0).float()).item(),
+        "rewards_chosen_mean": mean(chosen).item(),
+        "rewards_rejected_mean": mean(rejected).item(),
+        "rewards_margin_mean": mean(margin).item(),
+        "num_valid_samples": pairs.sum().item(),
+    }
 
 
 def _masked_sum(values: Tensor, mask: Tensor, dim: int = -1) -> Tensor:

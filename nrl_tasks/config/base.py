@@ -12,9 +12,28 @@ Not frozen: the flows build changed copies with ``model_copy(update=...)``, neve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Section"]
+__all__ = ["Section", "flatten"]
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every leaf of nested mappings by its dotted key (an empty mapping is a leaf).
+
+    >>> flatten({"a": {"b": 1, "c": {}}, "d": [1]})
+    {'a.b': 1, 'a.c': {}, 'd': [1]}
+    """
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
 
 
 class Section(BaseModel):

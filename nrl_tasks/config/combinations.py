@@ -61,10 +61,12 @@ def _algorithm_errors(cfg: "MasterConfig") -> list[str]:
 
 
 def _supervised_errors(cfg: "MasterConfig") -> list[str]:
-    """A DPO or SFT run (``dpo`` / ``sft`` set): no generation needed; DPO's batch sizes count pairs."""
+    """A DPO, SFT or RM run (``dpo`` / ``sft`` / ``rm`` set): no generation needed; DPO's and RM's
+    batch sizes count pairs. RM trains a reward model: ``policy.reward_model_cfg.enabled``, one
+    policy worker (data-parallel reward-model training is not built), padded micro-batches."""
     errs = []
-    name = "dpo" if cfg.dpo is not None else "sft"
-    unit = " pairs" if cfg.dpo is not None else ""
+    name = "dpo" if cfg.dpo is not None else "rm" if cfg.rm is not None else "sft"
+    unit = " pairs" if name in ("dpo", "rm") else ""
     gbs, mbs, dp = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size, cfg.cluster.policy_workers
     if gbs % (mbs * dp):
         errs.append(
@@ -78,12 +80,26 @@ def _supervised_errors(cfg: "MasterConfig") -> list[str]:
             "dpo.preference_loss_weight and dpo.sft_loss_weight are both 0: the loss would be 0 and nothing would "
             "train (set one of them > 0)"
         )
+    rm = cfg.policy.reward_model_cfg.enabled
+    if name == "rm":
+        if not rm:
+            errs.append("rm: a reward-model run trains a sequence classifier: set policy.reward_model_cfg.enabled=true "
+                        "(NeMo-RL's rm.yaml does)")
+        if cfg.cluster.policy_workers != 1:
+            errs.append(f"rm with cluster.policy_workers = {cfg.cluster.policy_workers}: data-parallel reward-model "
+                        "training is not built yet (use 1)")
+        if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
+            errs.append("rm: policy.sequence_packing / policy.dynamic_batching are not built for reward models "
+                        "(padded micro-batches)")
+    elif rm:
+        errs.append(f"policy.reward_model_cfg.enabled with a {name.upper()} run: only `nrl rm` trains a reward model "
+                    "(GRPO scores with one through env.reward_model)")
     return errs
 
 
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
-    if cfg.dpo is not None or cfg.sft is not None:
+    if cfg.dpo is not None or cfg.sft is not None or cfg.rm is not None:
         return _supervised_errors(cfg)
     errs: list[str] = _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)

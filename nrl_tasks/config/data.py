@@ -58,9 +58,9 @@ class DataConfig(Section):
     overlong_prompts: Literal["truncate", "reject"] = "reject"
     split_validation_size: float = Field(
         0.0, ge=0.0, lt=1.0, description="NeMo-RL's key: this fraction of the train file's rows (rounded up) "
-        "held out as the validation split, drawn with split_seed (GRPO's prompt files; 0: none)",
+        "held out as the validation split, drawn with split_seed (prompt, SFT and preference files; 0: none)",
     )
-    split_seed: int | None = Field(None, description="seed of the held-out draw (null: grpo.seed)")
+    split_seed: int | None = Field(None, description="seed of the held-out draw (null: grpo.seed; DPO: dpo.seed)")
     shuffle: bool = True
     arithmetic: ArithmeticDataConfig = Field(default_factory=ArithmeticDataConfig)
 

@@ -3,6 +3,8 @@ reward-shaping subsections) and ``warm_start``. Keys keep NeMo-RL's names where 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 
 from nrl_tasks.algorithms.reward_shaping import RewardShapingConfig
@@ -69,6 +71,13 @@ class GRPOConfig(Section):
     advantage_clip_low: float | None = Field(None, description="NeMo-RL's key: advantages below are clamped to it")
     advantage_clip_high: float | None = Field(None, description="NeMo-RL's key: advantages above are clamped to it")
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    stop_at_validation_metric: Literal["accuracy"] | None = Field(
+        None, description="NeMo-RL's key: end the run after the first validation whose metric (`accuracy`: the "
+        "metrics column val_accuracy) reaches stop_at_validation_threshold; that step saves a checkpoint (null: off)",
+    )
+    stop_at_validation_threshold: float | None = Field(
+        None, description="NeMo-RL's key: the early stop's threshold (>=), required with stop_at_validation_metric",
+    )
     max_val_samples: int = Field(32, ge=1, le=MAX_DATASET_ROWS, description="<= 10**8")
     val_batch_size: int = Field(32, ge=1, le=MAX_ROWS, description="<= 2**20")
     seed: int = Field(42, ge=INT64[0], le=INT64[1], description="any 64-bit signed integer")
@@ -113,6 +122,12 @@ class GRPOConfig(Section):
         lo, hi = self.advantage_clip_low, self.advantage_clip_high
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"grpo.advantage_clip_low ({lo}) exceeds grpo.advantage_clip_high ({hi})")
+        if self.stop_at_validation_metric is not None:
+            if self.stop_at_validation_threshold is None:
+                raise ValueError("grpo.stop_at_validation_threshold must be set when grpo.stop_at_validation_metric is")
+            if not (self.val_period or self.val_at_end):
+                raise ValueError("grpo.stop_at_validation_metric needs validations to read: set grpo.val_period > 0 "
+                                 "(or grpo.val_at_end)")
         return self
 
 

@@ -18,6 +18,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from nrl_tasks.config.base import flatten
+
 if TYPE_CHECKING:
     from nrl_tasks.config.master import MasterConfig
 
@@ -31,6 +33,7 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "checkpointing": {"save_period", "keep_last_k", "keep_top_k", "metric_name", "higher_is_better"},
     "dpo": {"max_num_steps", "max_num_epochs"},  # like grpo.max_num_steps: a finished DPO run can be extended
     "sft": {"max_num_steps", "max_num_epochs"},
+    "rm": {"max_num_steps", "max_num_epochs"},
     "env": {"num_workers", "step_timeout_s"},  # how many actors run the environment and how long it may take, not what it answers
 }
 
@@ -44,12 +47,16 @@ _ADDED_KEYS: tuple[tuple[str, str], ...] = (
     ("grpo", "dynamic_sampling_max_gen_batches"),
     ("grpo", "max_rollout_turns"),
     *(("grpo", k) for k in ("val_at_end", "overlong_filtering", "advantage_clip_low", "advantage_clip_high", "reward_scaling")),
+    ("grpo", "stop_at_validation_metric"),
+    ("grpo", "stop_at_validation_threshold"),
     ("env", "environment"),
     ("env", "environment_kwargs"),
     ("policy", "share_prompt_prefix"),
     ("data", "split_validation_size"),
     ("data", "split_seed"),
     *(("dpo", k) for k in ("val_period", "val_batches", "val_global_batch_size", "val_micro_batch_size", "val_at_start")),
+    ("dpo", "val_at_end"),
+    ("sft", "val_at_end"),
     *(("loss_fn", k) for k in (
         "use_kl_in_reward", "disable_ppo_ratio", "force_on_policy_ratio", "use_cispo", "truncated_importance_sampling_type",
         "truncated_importance_sampling_ratio_min", "sequence_level_importance_ratios", "positive_example_nll_weight",
@@ -73,7 +80,7 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
             data[section].pop(key)
     if not cfg.policy.dtensor_cfg.lora_cfg.enabled:  # a full-weights run hashes as before LoRA existed
         data["policy"]["dtensor_cfg"].pop("lora_cfg", None)
-    for section in ("dpo", "sft", "algorithm"):  # a GRPO run hashes as before these existed
+    for section in ("dpo", "sft", "rm", "algorithm"):  # a GRPO run hashes as before these existed
         if data.get(section) is None:
             data.pop(section, None)
     if not cfg.warm_start.sft_steps:  # likewise a run without a warm start
@@ -106,10 +113,5 @@ def changed_keys(a: MasterConfig, b: MasterConfig) -> list[str]:
     >>> changed_keys(base, base.model_copy(update={"grpo": base.grpo.model_copy(update={"seed": 7, "max_num_steps": 9})}))
     ['grpo.seed']
     """
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(d, dict):
-            return {prefix: d}
-        return {k: v for key, val in d.items() for k, v in flat(val, f"{prefix}{key}.").items()} or {prefix: {}}
-
-    fa, fb = flat(hashed_data(a)), flat(hashed_data(b))
-    return sorted(k.rstrip(".") for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
+    fa, fb = flatten(hashed_data(a)), flatten(hashed_data(b))
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))

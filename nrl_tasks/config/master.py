@@ -16,6 +16,7 @@ from nrl_tasks.config.dpo import DPOConfig
 from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
 from nrl_tasks.config.logger import LoggerConfig
+from nrl_tasks.config.rm import RMConfig
 from nrl_tasks.config.sft import SFTConfig
 from nrl_tasks.models.builtin import resolve_model_path
 from nrl_tasks.models.generation.interfaces import GenerationConfig
@@ -24,7 +25,7 @@ from nrl_tasks.models.policy import PolicyConfig
 __all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "config_kind"]
 
 #: sections that make a config a run of their algorithm (the section's name is the run's kind)
-ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft")
+ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm")
 #: the kind of a config with none of them (GRPO's section has defaults: every config has one)
 DEFAULT_KIND = "grpo"
 
@@ -64,9 +65,10 @@ class MasterConfig(Section):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; nrl_tasks.config.dpo)")
     sft: SFTConfig | None = Field(None, description="set: an SFT run (nrl sft; nrl_tasks.config.sft)")
+    rm: RMConfig | None = Field(None, description="set: a reward-model training run (nrl rm; nrl_tasks.config.rm)")
     algorithm: str | None = Field(
         None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$",
-        description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft) or module:attribute "
+        description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft, rm) or module:attribute "
         "of a recipe; default: the algorithm whose section the config has (grpo without one)",
     )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)

@@ -4,7 +4,8 @@ The keys are NeMo-RL's (``examples/configs/sft.yaml``): the run's length, the va
 and size, the seed of the draw. The validation keys are shared with the ``dpo`` section
 (:class:`SupervisedValidation`): ``val_period`` steps between validations (0: none),
 ``val_batches`` batches of ``val_global_batch_size`` held-out rows (pairs for DPO) each, computed
-``val_micro_batch_size`` at a time, ``val_at_start`` also before the first step.
+``val_micro_batch_size`` at a time, ``val_at_start`` also before the first step, ``val_at_end``
+also after the last step (the run's budget: ``max_num_steps`` or the ``max_num_epochs`` bound).
 
 Data: ``data.train_path`` (JSONL, Parquet or Arrow) with NeMo-RL's chat rows
 (``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}``, the
@@ -31,6 +32,12 @@ class SupervisedValidation(Section):
     val_global_batch_size: int = Field(8, ge=1, le=65_536, description="held-out rows (DPO: pairs) per batch")
     val_micro_batch_size: int = Field(1, ge=1, le=65_536, description="rows (DPO: pairs) computed at a time")
     val_at_start: bool = Field(False, description="validate the initial weights too (step 0)")
+    val_at_end: bool = Field(False, description="validate after the run's last step too (NeMo-RL's key)")
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run reads held-out rows: ``val_period`` > 0 or ``val_at_end``."""
+        return bool(self.val_period or self.val_at_end)
 
     @property
     def val_rows(self) -> int:

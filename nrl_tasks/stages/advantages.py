@@ -53,8 +53,8 @@ def compute_advantages(
     """``{"advantages" [B] or [B, S], "sample_mask" [B]}`` (float32; see the module docstring);
     ``truncated [B]``: the rollouts' flag, read with ``grpo.overlong_filtering``."""
 
-    est = getattr(grpo_cfg, "adv_estimator", None)
-    if est is not None and est.name == "reinforce_plus_plus":
+    est = grpo_cfg.adv_estimator
+    if est.name == "reinforce_plus_plus":
         from nrl_tasks.algorithms.advantage_estimators import reinforce_plus_plus_advantages
 
         if token_mask is None:
@@ -71,20 +71,20 @@ def compute_advantages(
             minus_baseline=est.minus_baseline, kl_penalty=kl,
         )
     else:
-        dr = est is not None and est.name == "dr_grpo"  # group mean, no std division
+        dr = est.name == "dr_grpo"  # group mean, no std division
         adv = compute_grpo_advantages(
             group_id,
             rewards.to(torch.float32),
             valid.to(torch.float32),
             leave_one_out_baseline=False if dr else grpo_cfg.use_leave_one_out_baseline,
             normalize_rewards=False if dr else grpo_cfg.normalize_rewards,
-            std_epsilon=est.std_epsilon if est is not None else 1e-6,
+            std_epsilon=est.std_epsilon,
         ).to(torch.float32)
-    lo, hi = getattr(grpo_cfg, "advantage_clip_low", None), getattr(grpo_cfg, "advantage_clip_high", None)
+    lo, hi = grpo_cfg.advantage_clip_low, grpo_cfg.advantage_clip_high
     if lo is not None or hi is not None:
         adv = adv.clamp(min=lo, max=hi)  # after normalisation, as NeMo-RL
     mask = valid.to(torch.float32)
-    if getattr(grpo_cfg, "overlong_filtering", False):  # truncated samples: in their group's baseline above, out of the loss
+    if grpo_cfg.overlong_filtering:  # truncated samples: in their group's baseline above, out of the loss
         if truncated is None:
             raise ValueError("grpo.overlong_filtering needs the rollouts' truncated column")
         mask = mask * (~truncated.to(torch.bool)).to(torch.float32)

@@ -23,7 +23,7 @@ import hashlib
 import io
 import json
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "render_messages",
     "derive_seed",
     "epoch_permutation",
+    "file_split",
     "held_out_rows",
     "format_prompt",
     "gen_batch_record_indices",
@@ -287,18 +288,25 @@ def load_prompt_records(data_cfg: DataConfig, split: str, seed: int, storage_opt
         from nrl_tasks.environments.guess_number import make_guess_prompts
 
         return make_guess_prompts(num, env_seed, max_target=a.max_operand)
-    if data_cfg.split_validation_size and not data_cfg.val_path:  # NeMo-RL's held-out slice of the train file
-        rows = load_prompt_file(
-            data_cfg.train_path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options
-        )
+    return file_split(data_cfg, split, seed, lambda path: load_prompt_file(
+        path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options))
+
+
+def file_split(data_cfg: DataConfig, split: str, seed: int, load: Callable[[str], list[dict[str, str]]]) -> list[dict[str, str]]:
+    """The rows of ``split`` from the data files, read by ``load(path)``: ``data.<split>_path``, or
+    with ``data.split_validation_size`` (and no ``data.val_path``) NeMo-RL's held-out slice of the
+    train file (:func:`held_out_rows`, drawn with ``data.split_seed``, else ``seed``) as ``val``
+    and the rest as ``train``."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if data_cfg.split_validation_size and not data_cfg.val_path:
+        rows = load(data_cfg.train_path)
         held = held_out_rows(len(rows), data_cfg.split_validation_size, data_cfg.split_seed if data_cfg.split_seed is not None else seed)
         return [r for i, r in enumerate(rows) if (i in held) == (split == "val")]
     path = data_cfg.train_path if split == "train" else data_cfg.val_path
     if not path:
         raise ValueError(f"data.{split}_path is not set")
-    return load_prompt_file(
-        path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options
-    )
+    return load(path)
 
 
 def held_out_rows(n: int, fraction: float, seed: int) -> set[int]:

@@ -28,7 +28,7 @@ from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.data import batch_draw
 from nrl_tasks.stages.graph import StageGraph, StageSpec
-from nrl_tasks.stages.preferences import build_pair_batch
+from nrl_tasks.stages.preferences import build_pair_batch, pairs_seed
 from nrl_tasks.stages.refs import DatasetRef
 from nrl_tasks.stages.runner import TASK_DEFAULTS, run_stage
 from nrl_tasks.stages.supervised import supervised_validation
@@ -48,11 +48,12 @@ DPO_DATASETS = DPO_GRAPH.datasets
 
 @task(name="preference_pairs", task_run_name="preference_pairs-{ctx.run_id}-step{ctx.step}", **TASK_DEFAULTS)
 def preference_pairs(ctx: StepContext) -> DatasetRef:
-    """Draw and tokenise the step's pairs from the run's frozen pairs; persist ``pairs``."""
+    """Draw and tokenise the step's pairs from the run's frozen pairs; persist ``pairs`` (DPO's and
+    reward-model training's first stage)."""
     cfg = ctx.cfg
 
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        recs, idx = batch_draw(ctx, "preferences", cfg.dpo.seed)
+        recs, idx = batch_draw(ctx, "preferences", pairs_seed(cfg))
         return build_pair_batch(recs, idx, ctx.tokenizer, cfg.data, cfg.policy.max_total_sequence_length), {}
 
     return run_stage(ctx, "preference_pairs", compute, output="pairs")

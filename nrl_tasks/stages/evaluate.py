@@ -14,6 +14,11 @@ training rollout's :class:`~nrl_tasks.stages.multi_turn.MultiTurnRollout` (greed
 greedy) on the environment's actors: ``reward`` is its reward summed over turns,
 ``generation_length`` counts the tokens the model wrote (every turn), and the rows also hold
 ``num_turns`` and the conversation (``message_log``); the summary gains ``turns_mean``.
+
+A checkpoint's evaluation (``nrl eval``, the sweep, a pipeline's eval stage) scores with the
+task's own reward (``env.reward_fn``, else exact match against the answers), also for a run
+scored by a reward model (``env.reward_model``): that model is the run's training signal and its
+validation's score, not a held-out measure of it.
 """
 
 from __future__ import annotations
@@ -294,8 +299,11 @@ def _evaluate_claimed(
             )
             episodes = episode_runner(cfg, tokenizer, gen, env)
         step = parse_step_dir(checkpoint) or 0
+        # the task's own reward (env.reward_fn, else exact match), never a reward model the run
+        # trained against: that one is its training signal (and its validation's score)
+        env_cfg = cfg.env.model_copy(update={"reward_model": cfg.env.reward_model.model_copy(update={"enabled": False})})
         samples = evaluate_records(
-            gen, tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env, max_prompt_tokens=cfg.max_prompt_tokens(),
+            gen, tokenizer, records, data_cfg=cfg.data, env_cfg=env_cfg, max_prompt_tokens=cfg.max_prompt_tokens(),
             seed=cfg.grpo.seed, step=step, num_samples=num_samples, weights_version=None,
             batch_size=cfg.grpo.val_batch_size, episodes=episodes,
         )

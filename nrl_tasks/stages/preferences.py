@@ -32,7 +32,9 @@ import torch
 import storage
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.run_layout import join_uri
-from nrl_tasks.stages.data import _read_rows, clip_text, completion_batch, derive_seed, format_prompt, load_prompt_records
+from nrl_tasks.stages.data import (
+    _read_rows, clip_text, completion_batch, derive_seed, file_split, format_prompt, load_prompt_records,
+)
 from nrl_tasks.stages.errors import DamagedRunError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -41,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.run_layout import RunLayout
 
 __all__ = ["build_pair_batch", "builtin_preferences", "load_preference_file", "records_digest", "snapshot_preferences", "snapshot_repair", "snapshot_uri",
-           "source_preferences"]
+           "load_preferences", "pairs_seed", "source_preferences"]
 
 FIELDS = ("chosen", "rejected")
 
@@ -86,15 +88,24 @@ def records_digest(records: list[dict[str, str]]) -> str:
     return hashlib.sha256(json.dumps(records, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
+def pairs_seed(cfg: MasterConfig) -> int:
+    """The seed of a run reading preference pairs: ``rm.seed`` (reward-model training) or ``dpo.seed``."""
+    return (cfg.rm if cfg.rm is not None else cfg.dpo).seed
+
+
 def source_preferences(cfg: MasterConfig, storage_options: dict[str, Any] | None = None, split: str = "train") -> list[dict[str, str]]:
-    """The pairs of the run's configured source of ``split`` (``data.train_path`` /
-    ``data.val_path``, or the built-in task's split)."""
-    if cfg.data.dataset == "file":
-        path = cfg.data.train_path if split == "train" else cfg.data.val_path
-        if not path:
-            raise ValueError(f"data.{split}_path is not set")
-        return load_preference_file(path, prompt_key=cfg.data.prompt_key, storage_options=storage_options)
-    return builtin_preferences(cfg.data, cfg.dpo.seed, split)
+    """The pairs of the run's configured source of ``split``: :func:`load_preferences` with :func:`pairs_seed`."""
+    return load_preferences(cfg.data, split, pairs_seed(cfg), storage_options)
+
+
+def load_preferences(data_cfg: DataConfig, split: str, seed: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """The pairs of ``split``: ``data.<split>_path`` (or the train file's held-out slice:
+    ``data.split_validation_size``, :func:`~nrl_tasks.stages.data.file_split`), or the built-in
+    task's split drawn with ``seed``."""
+    if data_cfg.dataset == "file":
+        return file_split(data_cfg, split, seed, lambda path: load_preference_file(
+            path, prompt_key=data_cfg.prompt_key, storage_options=storage_options))
+    return builtin_preferences(data_cfg, seed, split)
 
 
 def snapshot_repair(layout: RunLayout, cfg: MasterConfig, storage_options: dict[str, Any] | None = None) -> str | None:

@@ -34,6 +34,7 @@ from nrl_tasks.stages.data import (
     _read_rows,
     batch_draw,
     clip_text,
+    file_split,
     format_prompt,
     load_prompt_records,
     masked_batch,
@@ -98,13 +99,13 @@ def load_sft_file(path: str, *, prompt_key: str = "prompt", answer_key: str = "a
 
 
 def load_sft_records(data_cfg: Any, split: str, seed: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """Records of ``split`` (``"train"``/``"val"``): ``data.<split>_path`` or the built-in task's."""
+    """Records of ``split`` (``"train"``/``"val"``): ``data.<split>_path`` (or the train file's
+    held-out slice: ``data.split_validation_size``, :func:`~nrl_tasks.stages.data.file_split`) or
+    the built-in task's."""
     if data_cfg.dataset != "file":
         return load_prompt_records(data_cfg, split, seed, storage_options)
-    path = data_cfg.train_path if split == "train" else data_cfg.val_path
-    if not path:
-        raise ValueError(f"data.{split}_path is not set")
-    return load_sft_file(path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options)
+    return file_split(data_cfg, split, seed, lambda path: load_sft_file(
+        path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key, storage_options=storage_options))
 
 
 def build_sft_batch(records: list[dict[str, str]], tokenizer: Any, data_cfg: Any, max_len: int) -> BatchedDataDict:

@@ -37,6 +37,9 @@ BY_KIND = {
              "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
              "policy.generation.vllm_cfg.max_model_len=64"],
     "dpo": ["dpo.max_num_steps=2"],
+    # rm.yaml's -1 (one epoch) would be 2 steps here too; it names its loggers' runs like sft.yaml
+    "rm": ["rm.max_num_steps=2", "logger.wandb.name=rm", "logger.swanlab.name=rm", "logger.tensorboard.log_dir=tb",
+           "logger.mlflow.run_name=rm"],
     # sft.yaml names its loggers' runs after ${data.train.dataset_name}
     "sft": ["sft.max_num_steps=2", "logger.wandb.name=sft", "logger.swanlab.name=sft",
             "logger.tensorboard.log_dir=tb", "logger.mlflow.run_name=sft"],
@@ -53,7 +56,7 @@ def _resolved(path: str) -> dict:
 
 
 def test_the_tested_files_are_nemo_rls_own_with_their_source():
-    assert len(FILES) == 7
+    assert len(FILES) == 8
     for path in FILES:
         with open(path, encoding="utf-8") as fh:
             head = fh.readline()
@@ -114,7 +117,7 @@ def test_grpo_math_1b_without_the_overrides_names_what_is_refused_and_why():
     [
         ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg: Megatron-Core training is not available here"),
         ("grpo.val_start_at=5", "grpo.val_start_at: delayed periodic validation is not implemented"),
-        ("grpo.stop_at_validation_threshold=0.5", "grpo.stop_at_validation_threshold"),
+        ("grpo.seq_logprob_error_threshold=0.5", "grpo.seq_logprob_error_threshold: the sequence logprob-error filter"),
         ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dropout_position"),  # post, dropout>0
         ("grpo.adv_estimator.normalize_rewards=false", "grpo.adv_estimator.normalize_rewards: False disagrees with "
                                                        "grpo.normalize_rewards (True)"),
@@ -146,7 +149,7 @@ def test_gpus_per_node_1_runs_on_cpu_with_a_local_ray_on_a_machine_without_a_gpu
     assert usable_gpus_per_node(remote) == 1  # a cluster's GPUs are its own to report
 
 
-@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "dpo.yaml", "sft.yaml"])
+@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "dpo.yaml", "sft.yaml", "rm.yaml"])
 def test_max_num_epochs_ends_the_run_after_the_fewer_steps(name, tmp_path):
     from flows.algorithms.registry import recipe_of
 
@@ -157,7 +160,7 @@ def test_max_num_epochs_ends_the_run_after_the_fewer_steps(name, tmp_path):
     cfg = load_config(os.path.join(CONFIGS, name), long)
     recipe = recipe_of(cfg.model_dump(mode="json"))
     assert getattr(cfg, kind).max_num_epochs == 1  # the file's
-    assert recipe.budget(cfg) == 2  # one pass: 11 prompts // 4 (GRPO), 32 rows // 16 (DPO, SFT)
+    assert recipe.budget(cfg) == 2  # one pass: 11 prompts // 4 (GRPO), 32 pairs // 16 (DPO), 34 rows // 16 (SFT)
     two = load_config(os.path.join(CONFIGS, name), long + [f"{kind}.max_num_epochs=2"])
     assert recipe.budget(two) == 4
     few = load_config(os.path.join(CONFIGS, name), overrides + [f"{kind}.max_num_steps=1"])
@@ -169,9 +172,11 @@ def test_grpo_keys_implemented_since_are_honoured_from_nemo_rl_files():
     path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
     cfg = load_config(path, COMMON + BY_KIND["grpo"] + [
         "grpo.overlong_filtering=true", "grpo.advantage_clip_low=-1.0", "grpo.advantage_clip_high=2.0",
-        "grpo.val_at_end=true", "grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1"])
+        "grpo.val_at_end=true", "grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1",
+        "grpo.stop_at_validation_metric=accuracy", "grpo.stop_at_validation_threshold=0.8"])
     g = cfg.grpo
     assert g.overlong_filtering and (g.advantage_clip_low, g.advantage_clip_high) == (-1.0, 2.0) and g.val_at_end
+    assert (g.stop_at_validation_metric, g.stop_at_validation_threshold) == ("accuracy", 0.8)
     assert g.reward_scaling.enabled and g.reward_scaling.target_min == -1.0
 
 
@@ -206,8 +211,7 @@ def test_nemo_rls_scheduler_list_is_torchs_sequential_lr(tmp_path):
     assert sched.factor(0) == pytest.approx(0.1) and sched.factor(39) == 1.0
 
 
-@pytest.mark.parametrize("section, needle", [("rm", "reward-model training"), ("distillation", "on-policy distillation"),
-                                             ("ppo", "PPO with a value model")])
+@pytest.mark.parametrize("section, needle", [("distillation", "on-policy distillation"), ("ppo", "PPO with a value model")])
 def test_configs_of_algorithms_not_built_here_are_refused_naming_what_is_missing(section, needle, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(f"defaults: {os.path.join(CONFIGS, 'grpo_math_1B.yaml')}\n{section}: {{max_num_steps: 2}}\n")
@@ -227,19 +231,20 @@ def _jsonl(path, rows) -> str:
 def _local_data(kind: str, tmp_path) -> list[str]:
     """Overrides giving ``kind``'s NeMo-RL file a local dataset in NeMo-RL's own keys, exactly those
     of issue 42, item 5: GRPO keeps its file's ``split_validation_size`` (a held-out slice) and
-    ``env_name: math`` (math-verify); DPO and SFT run without a validation set."""
-    if kind == "dpo":
+    ``env_name: math`` (math-verify), as does the SFT LoRA recipe its 5% slice; DPO and SFT run
+    without a validation set otherwise."""
+    if kind in ("dpo", "rm"):
         rows = [{"prompt": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(32)]
         return ["data.train.dataset_name=BinaryPreferenceDataset", f"data.train.data_path={_jsonl(tmp_path / 'pairs.jsonl', rows)}",
                 "data.validation=null"]
-    # GRPO: 11 of 12 rows train (one held out), 2 steps of 4 prompts in its one epoch; SFT: 2 steps of 16 rows
-    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12 if kind == "grpo" else 32)]
+    # GRPO: 11 of 12 rows train (one held out), 2 steps of 4 prompts in its one epoch; SFT: 2 steps of 16
+    # rows (the LoRA recipe holds 2 of the 34 out)
+    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12 if kind == "grpo" else 34)]
     keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={_jsonl(tmp_path / 'qa.jsonl', rows)}",
             "data.train.input_key=question", "data.train.output_key=solution"]
     if kind == "grpo":  # (a recipe's validation set, e.g. AIME repeated 16 times, is a hub dataset: none)
         return keys + ["data.default.prompt_file=null", "data.validation=null"]
-    # (the SFT LoRA recipe holds 5% of its train set out, which is built for GRPO's prompt files only)
-    return keys + ["data.validation=null", "data.train.split_validation_size=0"]
+    return keys + ["data.validation=null"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
@@ -250,14 +255,16 @@ def test_local_datasets_in_nemo_rls_keys_map_to_the_file_reader(path, tmp_path, 
     overrides += [o for o in BY_KIND[kind] if not o.startswith("logger.")] + _local_data(kind, tmp_path)
     cfg = load_config(path, overrides)
     assert (cfg.data.dataset, os.path.basename(cfg.data.train_path), cfg.data.val_path) == (
-        "file", "pairs.jsonl" if kind == "dpo" else "qa.jsonl", None)
-    if kind != "dpo":
+        "file", "pairs.jsonl" if kind in ("dpo", "rm") else "qa.jsonl", None)
+    if kind not in ("dpo", "rm"):
         assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "solution")
     if kind == "grpo" and "grpo_math_1B" in path:  # its 5% held out; its math environment: math-verify
         assert cfg.data.split_validation_size == 0.05 and cfg.data.split_seed == cfg.grpo.seed
         assert cfg.env.reward_fn == "nrl_tasks.environments.math_verify:math_reward"
-    if kind in ("dpo", "sft"):  # no validation set: no validation, as in NeMo-RL
+    if kind in ("dpo", "sft", "rm") and not cfg.data.split_validation_size:  # no validation set: none, as in NeMo-RL
         assert getattr(cfg, kind).val_period == 0
+    if "lora" in path:  # the SFT recipe's own held-out 5% of the train file, validated every 20 steps
+        assert cfg.data.split_validation_size == 0.05 and cfg.sft.val_period == 20
     assert main(["check", path, *overrides]) == 0  # the preflight reads the file
 
 
@@ -266,7 +273,7 @@ def test_local_datasets_in_nemo_rls_keys_map_to_the_file_reader(path, tmp_path, 
     [
         ("data.train.dataset_name=squad", "data.train.dataset_name: 'squad' names a hub dataset"),
         ("data.default.env_name=code", "data.default.env_name: 'code' is not an environment here"),
-        ("data.default.prompt_file=cot.txt", "data.train.prompt_file: prompt files are not read yet"),
+        ("data.default.prompt_file=no-such-cot.txt", "data.train.prompt_file: no file 'no-such-cot.txt'"),
         ("data.validation.input_key=q", "data.validation: prompt_key differ from data.train's"),
         ("data.validation.repeat=16", "data.validation.repeat: repeating the validation set is not implemented"),
         ("data.train.split_validation_size=0.1", "data.train.split_validation_size and data.validation: give one"),
@@ -284,3 +291,36 @@ def test_what_the_file_reader_cannot_honour_is_refused_with_the_override_that_wo
     with pytest.raises(ConfigError) as err:
         load_config(path, overrides + BY_KIND["grpo"] + _local_data("grpo", tmp_path) + val + [override])
     assert needle in str(err.value)
+
+
+# NeMo-RL's examples/prompts/cot.txt (at the commit the config files were copied from)
+COT = "Think step-by-step to solve the following problem. Output your answer inside of \\\\boxed{{}} tags.:\n{}\n\nLet's think step-by-step"
+
+
+def test_prompt_files_map_to_the_template_and_system_prompt_nemo_rl_would_build(tmp_path):
+    from nrl_tasks.stages.data import prompt_messages
+
+    (tmp_path / "cot.txt").write_text(COT, encoding="utf-8")
+    (tmp_path / "system.txt").write_text("You are a careful mathematician.", encoding="utf-8")
+    path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
+    overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    data = [o for o in _local_data("grpo", tmp_path) if not o.startswith("data.default.prompt_file")]
+    cfg = load_config(path, overrides + BY_KIND["grpo"] + data + [
+        f"data.default.prompt_file={tmp_path / 'cot.txt'}", f"data.default.system_prompt_file={tmp_path / 'system.txt'}"])
+    problem = "What is {x} if 2x = 6?"  # braces in the problem stay as they are
+    assert prompt_messages(problem, cfg.data) == [  # what NeMo-RL's math processor puts in the conversation
+        {"role": "system", "content": "You are a careful mathematician."},
+        {"role": "user", "content": COT.format(problem)}]
+    assert "\\boxed{}" in cfg.data.prompt_template  # NeMo-RL's doubled braces are its str.format's
+
+
+@pytest.mark.parametrize("text, needle", [("no slot here", "needs one {} where the problem goes"),
+                                          ("{} and {}", "found 2"), ("{problem}", "found {problem}")])
+def test_a_prompt_file_nemo_rl_could_not_format_is_refused_naming_the_key(text, needle, tmp_path):
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    path = os.path.join(CONFIGS, "grpo_math_1B.yaml")
+    overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]
+    data = [o for o in _local_data("grpo", tmp_path) if not o.startswith("data.default.prompt_file")]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides + BY_KIND["grpo"] + data + [f"data.default.prompt_file={tmp_path / 'p.txt'}"])
+    assert "data.train.prompt_file" in str(err.value) and needle in str(err.value)

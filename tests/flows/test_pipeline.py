@@ -30,7 +30,7 @@ PIPELINE = os.path.join(REPO, "configs", "pipeline_tiny.yaml")
 
 def _pipeline_file(tmp_path, model_dir: str, stages: list[dict]) -> str:
     """A pipeline file next to copies of the tiny configs, on the session's tiny model."""
-    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml"):
+    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "rm_tiny.yaml"):
         with open(os.path.join(REPO, "configs", name), encoding="utf-8") as fh:
             cfg = yaml.safe_load(fh)
         cfg["policy"]["model_name"] = model_dir
@@ -191,3 +191,44 @@ def test_a_gate_not_met_stops_the_pipeline_and_a_resume_with_another_gate_goes_o
     state = _state(root, "G")
     assert state["status"] == "completed" and state["stages"]["sft"]["gate"]["held"]
     assert state["stages"]["sft"]["outcome"] == "skipped (finished)" and state["stages"]["grpo"]["outcome"] == "ran"
+
+
+RM_STAGES = [
+    {"name": "sft", "config": "sft_tiny.yaml", "overrides": ["sft.max_num_steps=4", "checkpointing.save_period=4"]},
+    {"name": "rm", "config": "rm_tiny.yaml", "overrides": ["rm.max_num_steps=4", "rm.val_period=4", "checkpointing.save_period=4"]},
+    {"name": "grpo", "config": "grpo_tiny.yaml", "overrides": ["grpo.max_num_steps=2"]},
+    {"name": "eval", "eval": {"num_samples": 1, "max_prompts": 8}},
+]
+
+
+def test_a_reward_model_stage_scores_the_later_stages_and_the_policy_chain_skips_it(tmp_path, tiny_model_dir):
+    """sft -> rm -> grpo: the RM starts from the SFT weights; GRPO starts from the SFT weights too
+    and is scored by the RM's final weights (env.reward_model); the eval stage evaluates GRPO."""
+    from flows.pipeline import final_weights, load_pipeline, plan_stages
+
+    root = str(tmp_path / "runs")
+    plans = plan_stages(load_pipeline(_pipeline_file(tmp_path, tiny_model_dir, RM_STAGES)), root, "P")
+    sft, rm, grpo, _ = plans
+    sft_weights, rm_weights = final_weights(root, "P-sft", 4), final_weights(root, "P-rm", 4)
+    assert rm["cfg"].policy.model_name == sft_weights and rm["cfg"].policy.reward_model_cfg.enabled
+    assert grpo["cfg"].policy.model_name == sft_weights
+    assert grpo["cfg"].env.reward_model.enabled and grpo["cfg"].env.reward_model.model_name == rm_weights
+    assert not sft["cfg"].env.reward_model.enabled and not os.path.exists(os.path.join(root, "P"))
+
+
+@pytest.mark.slow  # a whole pipeline: three stage runs and an evaluation
+def test_sft_then_reward_model_then_grpo_scored_by_it_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
+    import storage
+
+    root = str(tmp_path / "runs")
+    path = _pipeline_file(tmp_path, tiny_model_dir, RM_STAGES)
+    proc = run_nrl(["pipeline", "--config", path, "--storage", root, "--run-id", "R"], prefect_harness, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = _state(root, "R")
+    assert state["status"] == "completed" and list(state["stages"]) == ["sft", "rm", "grpo", "eval"]
+    assert state["stages"]["eval"]["run_id"] == "R-grpo"  # the last policy stage, not the reward model
+    assert 0.0 <= state["stages"]["eval"]["figures"]["accuracy"] <= 1.0  # the task's exact match, not the RM's score
+    saved = yaml.safe_load(open(os.path.join(root, "R-grpo", "config.yaml"), encoding="utf-8"))
+    assert saved["env"]["reward_model"]["model_name"] == os.path.join(state["stages"]["rm"]["final_checkpoint"], "weights")
+    rewards = storage.load_batch(os.path.join(root, "R-grpo", "steps", "step_000001", "rewards"))["rewards"]
+    assert any(float(r) not in (0.0, 1.0) for r in rewards), rewards  # the reward model's scores

@@ -32,7 +32,7 @@ DPO_STEPS = 6
 
 def _dpo_config(model_dir: str, root: str, ray: str | None, **extra) -> dict:
     return tiny_run_config(model_dir, root, ray, config=DPO_CONFIG, **{
-        "dpo.max_num_steps": DPO_STEPS, "dpo.val_period": 3, "dpo.val_global_batch_size": 8, "checkpointing.save_period": 3,
+        "dpo.max_num_steps": DPO_STEPS, "dpo.val_period": 4, "dpo.val_at_end": True, "dpo.val_global_batch_size": 8, "checkpointing.save_period": 3,
         **extra,
     })
 
@@ -73,13 +73,13 @@ def test_dpo_writes_one_tracker_point_per_step_and_validates(tracked_dpo):
 
     rows = read_metrics(os.path.join(tracked_dpo["root"], "dpo-tr", "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, DPO_STEPS + 1))
-    assert [r["step"] for r in rows if r.get("val_accuracy") is not None] == [3, 6]
+    assert [r["step"] for r in rows if r.get("val_accuracy") is not None] == [4, 6]  # val_period 4, val_at_end
     assert all(0.0 <= r["val_accuracy"] <= 1.0 and r["val_loss"] > 0 for r in rows if r.get("val_accuracy") is not None)
     assert all(r["pairs_s"] is not None and r["reference_s"] is not None and r["train_attempts"] == 1 for r in rows)
     acc = EventAccumulator(os.path.join(tracked_dpo["logs"], "dpo-tr", "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, DPO_STEPS + 1))
-    assert [e.step for e in acc.Scalars("validation/accuracy")] == [3, 6]
+    assert [e.step for e in acc.Scalars("validation/accuracy")] == [4, 6]
     uri = "sqlite:///" + os.path.abspath(os.path.join(tracked_dpo["logs"], "mlflow", "mlflow.db"))
     client = MlflowClient(uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
@@ -191,7 +191,7 @@ def chat_sft(prefect_harness, tiny_model_dir, tmp_path_factory):
     root = str(tmp / "runs")
     argv = ["sft", "--config", SFT_CONFIG, "--storage", root, "--run-id", "chat", f"policy.model_name={tiny_model_dir}",
             f"data.train_path={train}", f"data.val_path={val}", "data.dataset=file", "sft.max_num_steps=16",
-            "sft.val_period=8", "checkpointing.save_period=8"]
+            "sft.val_period=10", "sft.val_at_end=true", "checkpointing.save_period=8"]
     proc = run_nrl(argv, prefect_harness, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {"root": root, "argv": argv, "tmp": tmp}
@@ -204,12 +204,12 @@ def test_nrl_sft_on_chat_rows_lowers_the_held_out_loss(chat_sft):
     rows = read_metrics(os.path.join(chat_sft["root"], "chat", "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, 17))
     val = {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
-    assert sorted(val) == [8, 16]
+    assert sorted(val) == [10, 16]  # sft.val_period 10, sft.val_at_end
     import storage
 
     # sft.val_at_start: the initial weights' held-out loss
     first = storage.read_manifest(os.path.join(chat_sft["root"], "chat", "steps", "step_000000", "val")).meta["val_loss"]
-    assert val[16] < val[8] < first, (first, val)
+    assert val[16] < val[10] < first, (first, val)
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 

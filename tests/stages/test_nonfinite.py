@@ -4,12 +4,14 @@ non-finite figure reaches the manifest as null instead of failing the commit."""
 
 from __future__ import annotations
 
+
 import pickle
 import types
 
 import pytest
 import torch
 
+from nrl_tasks.config.grpo import GRPOConfig
 from nrl_tasks.stages.errors import (
     NonFiniteTrainingError,
     is_actor_fault,
@@ -81,7 +83,7 @@ def test_advantages_of_huge_finite_rewards_stay_finite(loo):
     """Rewards near float32's limits: float32 ``r - baseline`` and ``std`` used to overflow."""
     from nrl_tasks.stages.advantages import compute_advantages
 
-    grpo = types.SimpleNamespace(use_leave_one_out_baseline=loo, normalize_rewards=True)
+    grpo = GRPOConfig(use_leave_one_out_baseline=loo, normalize_rewards=True)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     r = torch.tensor([3e38, -3e38, 1.0, 1e30, 0.0, 1.0], dtype=torch.float32)
     adv = compute_advantages(groups, r, torch.ones(6, dtype=torch.bool), grpo)

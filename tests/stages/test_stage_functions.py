@@ -3,12 +3,14 @@ checkpoint commit protocol, metrics lines."""
 
 from __future__ import annotations
 
+
 import json
 import types
 
 import pytest
 import torch
 
+from nrl_tasks.config.grpo import GRPOConfig
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -71,7 +73,7 @@ def test_advantages_and_train_input():
     from nrl_tasks.stages.advantages import compute_advantages
     from nrl_tasks.stages.train import build_train_data
 
-    grpo = types.SimpleNamespace(use_leave_one_out_baseline=True, normalize_rewards=True)
+    grpo = GRPOConfig(use_leave_one_out_baseline=True, normalize_rewards=True)
     adv = compute_advantages(torch.tensor([0, 0, 0, 0]), torch.tensor([1.0, 0, 0, 0]), torch.tensor([True, True, True, False]), grpo)
     a = adv["advantages"].tolist()
     assert a[3] == 0.0 and a[0] > 0 > a[1] and a[1] == pytest.approx(a[2])

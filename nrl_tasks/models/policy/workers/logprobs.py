@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "forward_logits",
+    "last_token_scores",
     "length_mask",
     "next_token_logprobs",
     "packed_forward_logprobs",
@@ -52,6 +53,27 @@ def forward_logits(model: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     return model(input_ids=input_ids, **kwargs).logits
+
+
+def last_token_scores(model: Any, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float32: a one-output sequence classifier's head (``model.score``, as in HF's
+    ``*ForSequenceClassification``) at each right-padded row's last valid token.
+
+    The model's own forward runs (so a wrapped model gathers its weights as always) while a hook
+    keeps the head's per-token output: HF pools it at the last token that is not
+    ``pad_token_id``, which drops a response's own end-of-sequence token when the tokenizer pads
+    with it; here the row's length decides."""
+    lengths = input_lengths.to(device=input_ids.device, dtype=torch.long)
+    if int(lengths.min()) < 1:
+        raise ValueError("every row needs input_lengths >= 1")
+    kept: list[torch.Tensor] = []
+    hook = model.score.register_forward_hook(lambda _m, _i, out: kept.append(out))
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    finally:
+        hook.remove()
+    per_token = kept[-1]  # [B, S, num_labels]
+    return per_token[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1, 0].float()
 
 
 def padded_forward_logprobs(

@@ -16,6 +16,7 @@ import torch
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.models.generation.hf_sampling import sample_rows
 from nrl_tasks.models.policy.workers.batches import check_inputs
+from nrl_tasks.models.policy.workers.logprobs import last_token_scores
 from nrl_tasks.models.policy.workers.parallel import gathered_weights
 
 __all__ = ["SamplingMixin"]
@@ -54,12 +55,9 @@ class SamplingMixin:
             return BatchedDataDict({"scores": torch.zeros(0, dtype=torch.float32)})
         self.model.eval()
         ids = data["input_ids"].to(self.device)
-        lengths = data["input_lengths"].to(self.device).to(torch.long)
-        if int(lengths.min()) < 1:
-            raise ValueError("score: every row needs input_lengths >= 1")
-        base = getattr(self.model, self.model.base_model_prefix)
-        with self._autocast():
-            hidden = base(input_ids=ids, use_cache=False).last_hidden_state
-            logits = self.model.score(hidden).float()  # [B, S, num_labels]
-        last = logits[torch.arange(ids.shape[0], device=ids.device), lengths - 1]
-        return BatchedDataDict({"scores": last[:, 0].cpu()})
+        try:
+            with self._autocast():
+                scores = last_token_scores(self.model, ids, data["input_lengths"])
+        except ValueError as exc:
+            raise ValueError(f"score: {exc}") from None
+        return BatchedDataDict({"scores": scores.cpu()})

@@ -46,6 +46,7 @@ from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_inval
 from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
+    last_token_scores,
     length_mask,
     packed_forward_logprobs,
     padded_forward_logprobs,
@@ -177,7 +178,7 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         named = trainable_named_parameters(self.model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        if self.init_optimizer and not self.cfg.reward_model_cfg.enabled:
+        if self.init_optimizer:  # a reward model too: `nrl rm` trains one
             self.optimizer = build_optimizer(named, self.cfg.optimizer)
             self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler)
         if self.init_reference_model and not self.cfg.reward_model_cfg.enabled and self.cfg.lora is None:
@@ -197,12 +198,19 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         path = self.cfg.model_name
         if not os.path.isdir(path):
             raise ValueError(f"model_name {path!r} is not a local directory (nothing is downloaded)")
-        auto = AutoModelForSequenceClassification if self.cfg.reward_model_cfg.enabled else AutoModelForCausalLM
+        rm = self.cfg.reward_model_cfg.enabled
+        auto = AutoModelForSequenceClassification if rm else AutoModelForCausalLM
+        # a reward model has one output: a causal LM's folder (RM training's start) gets a new head
+        head = {"num_labels": 1} if rm else {}
         # master weights stay float32; "bfloat16" runs forward/backward under autocast
         if self.skip_weight_load:
-            model = auto.from_config(AutoConfig.from_pretrained(path, local_files_only=True), dtype=torch.float32)
+            model = auto.from_config(AutoConfig.from_pretrained(path, local_files_only=True, **head), dtype=torch.float32)
         else:
-            model = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+            model = auto.from_pretrained(path, dtype=torch.float32, local_files_only=True, **head)
+        if rm and model.config.pad_token_id is None:  # HF's classifier refuses batches > 1 without one
+            pad = getattr(self.tokenizer, "pad_token_id", None)
+            eos = model.config.eos_token_id
+            model.config.pad_token_id = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0
         if self.cfg.lora is not None:
             from nrl_tasks.models.policy.workers.lora import is_adapter_dir, wrap_with_lora
 
@@ -410,7 +418,10 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         The checks live in :mod:`~nrl_tasks.models.policy.workers.finite_guard`.
         """
         self._require_valid_weights("train")
-        self._check_causal_lm("train")
+        scores = getattr(loss_fn, "input_type", "logprobs") == "scores"  # e.g. BradleyTerryLossFn: a reward model's
+        if scores != self.cfg.reward_model_cfg.enabled:
+            raise ValueError(f"train: {type(loss_fn).__name__} reads {'scores' if scores else 'token logprobs'}, but this "
+                             f"policy is {'a causal LM' if scores else 'a reward model (reward_model_cfg.enabled)'}")
         self._to_device()  # back from an offload, if any
         check_inputs(data)
         if not eval_mode and self.optimizer is None:
@@ -484,8 +495,13 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         for mb_index, mb in enumerate(micro_batches):
             mb = on_device(mb, self.device)
             with torch.set_grad_enabled(not eval_mode):
-                lp = self._mb_logprobs(mb, packed)
-                loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
+                if self.cfg.reward_model_cfg.enabled:  # the loss reads each row's score (train checked it)
+                    with self._autocast():
+                        scores = last_token_scores(self.model, mb["input_ids"], mb["input_lengths"])
+                    loss, metrics = loss_fn(scores, mb, global_valid_seqs, global_valid_toks)
+                else:
+                    lp = self._mb_logprobs(mb, packed)
+                    loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
                 if not eval_mode:
                     loss.backward()
             mb_loss = loss.detach().double().cpu()
