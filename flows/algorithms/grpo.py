@@ -188,7 +188,7 @@ class GRPORecipe:
 
 def train_prompt_count(cfg: MasterConfig) -> int:
     """Rows of the run's train split (``grpo.max_num_epochs``)."""
-    return train_row_count(load_prompt_records, cfg, cfg.grpo.seed)
+    return train_row_count(load_prompt_records, cfg, cfg.rollout.seed)
 
 
 #: GRPO's recipe

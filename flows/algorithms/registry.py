@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from flows.algorithms.distill import DISTILL
 from flows.algorithms.dpo import DPO
 from flows.algorithms.grpo import GRPO
 from flows.algorithms.rm import RM
@@ -27,7 +28,7 @@ from nrl_tasks.config.master import config_kind
 __all__ = ["RECIPES", "recipe_for", "recipe_of"]
 
 #: every registered algorithm, by kind
-RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT, RM)}
+RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT, RM, DISTILL)}
 
 
 def recipe_for(kind: str) -> Recipe:

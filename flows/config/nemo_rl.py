@@ -114,12 +114,10 @@ def _metric_name(value: Any) -> Any:
 _GPU_ENV = ("PYTORCH_CUDA_", "CUDA_", "NCCL_", "NVTE_", "TORCH_NCCL_")
 _HUB_DATA = ("a local ResponseDataset / BinaryPreferenceDataset file is `data.dataset: file`, `data.train_path` and the "
              "row keys (flows/config/nemo_rl_data.py); a hub dataset is refused with the override that works")
-_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo, sft and rm"
+_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo, sft, rm and distill"
 
 RULES: tuple[Rule, ...] = (
     # ---- NeMo-RL's algorithms not built here yet (issue 43)
-    Rule("distillation", "refused", f"on-policy distillation (NeMo-RL's `distillation` section) is not implemented yet; "
-         f"{_ALGORITHMS_HERE}"),
     Rule("ppo", "refused", f"PPO with a value model (NeMo-RL's `ppo` section) is not implemented yet; {_ALGORITHMS_HERE}"),
     # ---- grpo
     Rule("grpo.val_start_at", "refused", "delayed periodic validation is not implemented", off_is(-1, None)),

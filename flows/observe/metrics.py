@@ -134,6 +134,11 @@ def drop_metrics_after(uri: str, step: int, storage_options: dict[str, Any] | No
 MULTI_TURN_KEYS = ("turns_mean", "turns_max", "terminated_frac", "env_seconds")
 
 
+#: each dataset's seconds inside actor calls or reward functions (``compute_s``)
+_COMPUTE_SECONDS = (("rollouts", "generate_seconds"), ("rewards", "seconds"), ("logprobs", "compute_seconds"),
+                    ("teacher", "compute_seconds"), ("train", "train_seconds"))
+
+
 def build_step_metrics(
     step: int,
     manifests: Mapping[str, Mapping[str, Any] | None],
@@ -143,10 +148,12 @@ def build_step_metrics(
     checkpoint: Mapping[str, Any] | None = None,
     wall_seconds: float | None = None,
     rewards: Any = None,
+    graph: StageGraph = GRPO_GRAPH,
 ) -> dict[str, Any]:
     """The metrics line of ``step`` from its stage manifests (dicts from ``committed``/tasks).
 
-    ``rewards`` (optional ``(rewards, valid)`` tensors) adds ``reward_std`` and ``accuracy``.
+    ``rewards`` (optional ``(rewards, valid)`` tensors) adds ``reward_std`` and ``accuracy``;
+    ``graph``: the stages of the run's algorithm (GRPO's, or distillation's, which samples as GRPO).
     """
     get = lambda stage, key: (manifests.get(stage) or {}).get(key)  # noqa: E731
     row: dict[str, Any] = {"step": step, "weights_version": step}
@@ -181,12 +188,11 @@ def build_step_metrics(
     row["train_tokens_per_s"] = get("train", "tokens_per_s")
     # time spent in actor calls / reward functions (the work itself; the rest of step_s is
     # orchestration, persistence and bookkeeping)
-    compute = [get("rollouts", "generate_seconds"), get("rewards", "seconds"), get("logprobs", "compute_seconds"),
-               get("train", "train_seconds")]
+    compute = [get(d, key) for d, key in _COMPUTE_SECONDS if d in graph.datasets]
     val_figures = {"val_accuracy": (val or {}).get("val_accuracy")} if val is not None else {}
     if val is not None and val.get("val_turns_mean") is not None:  # a multi-turn environment's episodes
         val_figures["val_turns_mean"] = val["val_turns_mean"]
-    row.update(stage_figures(GRPO_GRAPH, manifests, compute, refit=refit, val=val, val_figures=val_figures,
+    row.update(stage_figures(graph, manifests, compute, refit=refit, val=val, val_figures=val_figures,
                              checkpoint=checkpoint, wall_seconds=wall_seconds))
     return {k: _clean(v) for k, v in row.items()}
 
@@ -344,9 +350,11 @@ def format_console_line(run_id: str, row: Mapping[str, Any], max_steps: int) -> 
     ]
     if row.get("val_accuracy") is not None:
         parts.append(f"val_acc {row['val_accuracy']:.3f}")
-    t = " ".join(
-        f"{label} {_fmt(row.get(key), '.2f')}s"
-        for label, key in (("gen", "generate_s"), ("score", "score_s"), ("lp", "logprob_s"), ("train", "train_s"), ("refit", "refit_s"))
+    stages = (("gen", "generate_s"), ("score", "score_s"), ("lp", "logprob_s"), ("teacher", "teacher_s"), ("train", "train_s"),
+              ("refit", "refit_s"))
+    t = " ".join(  # distillation's line has a teacher instead of logprobs
+        f"{label} {_fmt(row.get(key), '.2f')}s" for label, key in stages if key in row or key not in ("teacher_s", "logprob_s")
+        or (key == "logprob_s" and "teacher_s" not in row)
     )
     tail = f"{_fmt(row.get('tokens_per_s'), '.0f')} tok/s"
     if row.get("step_s") is not None:

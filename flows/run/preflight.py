@@ -42,8 +42,8 @@ __all__ = ["check_environment", "check_lora", "check_model_path", "check_plugins
 
 
 def _needs_val_split(cfg: MasterConfig) -> bool:
-    return bool(cfg.data.val_path or cfg.data.split_validation_size) or cfg.grpo.val_period > 0 or cfg.grpo.val_at_start \
-        or cfg.grpo.val_at_end
+    return bool(cfg.data.val_path or cfg.data.split_validation_size) or cfg.rollout.val_period > 0 or cfg.rollout.val_at_start \
+        or cfg.rollout.val_at_end
 
 
 def check_reward_fn(cfg: MasterConfig) -> None:
@@ -137,7 +137,7 @@ def check_prompt_files(cfg: MasterConfig) -> None:
     splits = ["train"] + (["val"] if _needs_val_split(cfg) else [])
     for split in splits:
         try:
-            records = load_prompt_records(cfg.data, split, cfg.grpo.seed, opts)
+            records = load_prompt_records(cfg.data, split, cfg.rollout.seed, opts)
         except (OSError, ValueError) as exc:
             key = f"data.{split}_path" if cfg.data.dataset == "file" else f"data.arithmetic ({split})"
             raise ValueError(f"{key}: {exc}") from None

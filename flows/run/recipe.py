@@ -49,6 +49,8 @@ class Actors:
     generation: bool = False
     reward_model: bool = False
     environment: bool = False
+    #: on-policy distillation's teacher (a Policy without optimizer)
+    teacher: bool = False
 
 
 @dataclass(frozen=True)

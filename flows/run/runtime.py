@@ -68,6 +68,7 @@ class Runtime:
     policy: Any = None
     generation: Any = None
     reward_model: Any = None
+    teacher: Any = None
     environment: Any = None  # EnvironmentWorkers when env.environment is set
     clusters: dict[str, Any] = field(default_factory=dict)
     policy_attached: bool = False
@@ -166,6 +167,31 @@ class Runtime:
                 init_optimizer=False, init_reference_model=False,
             )
 
+    def start_teacher(self, *, fresh: bool = False) -> None:
+        """On-policy distillation's teacher: the ``teacher`` policy config (the student's
+        generation temperature divides its logits too), without optimizer or reference model, in
+        ``cluster.policy_workers`` workers of its own. ``fresh``: kill a live one and make it again."""
+        if self.cfg.teacher is None:
+            return
+        if fresh:
+            _kill_group(self, "teacher", "teacher")
+        data = self.cfg.teacher.model_dump(mode="json")
+        data.update(model_name=resolve_model_path(self.cfg.teacher.model_name),
+                    generation=self.cfg.generation_config().model_dump(mode="json"))
+        if self.cfg.teacher.tokenizer.name:
+            data["tokenizer"] = {**data["tokenizer"], "name": resolve_model_path(self.cfg.teacher.tokenizer.name)}
+        t_cfg = type(self.cfg.teacher).model_validate(data)
+        if not fresh:
+            try:
+                self.teacher = Policy.attach(t_cfg, self.tokenizer, name_prefix="teacher", namespace=self.namespace)
+                return
+            except (LookupError, RuntimeError):
+                pass
+        cl = self.clusters.get("teacher") or self._cluster("teacher", self.cfg.cluster.policy_workers,
+                                                           self.cfg.cluster.num_cpus_per_worker)
+        self.teacher = Policy(cl, t_cfg, self.tokenizer, name_prefix="teacher", namespace=self.namespace,
+                              init_optimizer=False, init_reference_model=False)
+
     def start_environment(self) -> None:
         """The ``env.environment`` actors (``env.num_workers``), made fresh for each flow process:
         an environment keeps no state between calls (the episode's state is its metadata)."""
@@ -185,7 +211,7 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement groups (idempotent)."""
-        for name in ("environment", "generation", "policy", "reward_model"):
+        for name in ("environment", "generation", "policy", "reward_model", "teacher"):
             h = getattr(self, name)
             if h is not None:
                 try:
@@ -199,7 +225,7 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001
                 logger.warning("placement group removal (%s) failed: %s", role, exc)
         self.clusters.clear()
-        for role in ("policy", "generation", "reward"):
+        for role in ("policy", "generation", "reward", "teacher"):
             try:
                 from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 
@@ -280,6 +306,8 @@ def setup_runtime(
         rt.start_generation()
     if actors.reward_model:
         rt.start_reward_model()
+    if actors.teacher:
+        rt.start_teacher()
     if actors.environment:
         rt.start_environment()
     return rt

@@ -97,11 +97,36 @@ def _supervised_errors(cfg: "MasterConfig") -> list[str]:
     return errs
 
 
+def _distillation_errors(cfg: "MasterConfig") -> list[str]:
+    """An on-policy distillation run (``distillation`` set): a teacher, distillation's loss keys,
+    GRPO's options off, padded micro-batches (the loss reads the student's whole logits)."""
+    from nrl_tasks.algorithms.distillation import DistillationLossConfig
+
+    errs = []
+    if cfg.teacher is None:
+        errs.append("distillation needs a `teacher` section (the teacher's policy config: teacher.model_name at least)")
+    elif cfg.teacher.reward_model_cfg.enabled or cfg.policy.reward_model_cfg.enabled:
+        errs.append("distillation: teacher and student are causal LMs (drop reward_model_cfg.enabled)")
+    if not isinstance(cfg.loss_fn, DistillationLossConfig):
+        keys = sorted(cfg.loss_fn.model_fields_set)
+        errs.append(f"distillation reads loss_fn.kl_type, mixed_kl_weight and zero_outside_topk; loss_fn.{keys[0]} is a "
+                    "GRPO key" if keys else "distillation: loss_fn is not distillation's")
+    if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
+        errs.append("distillation does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
+    if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
+        errs.append("distillation: policy.sequence_packing / policy.dynamic_batching are not built for its loss "
+                    "(padded micro-batches)")
+    d = cfg.distillation
+    if d is not None and d.max_rollout_turns > 1 and cfg.env.environment is None:
+        errs.append(f"distillation.max_rollout_turns = {d.max_rollout_turns} needs env.environment (who answers the turns)")
+    return errs
+
+
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
     if cfg.dpo is not None or cfg.sft is not None or cfg.rm is not None:
         return _supervised_errors(cfg)
-    errs: list[str] = _algorithm_errors(cfg)
+    errs = _distillation_errors(cfg) if cfg.distillation is not None else _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:
         errs.append("generation: missing (set `generation` or `policy.generation`)")
@@ -109,16 +134,17 @@ def combination_errors(cfg: "MasterConfig") -> list[str]:
     if cfg.generation is not None and pol_gen is not None and cfg.generation != pol_gen:
         errs.append("generation and policy.generation are both set and differ: set only one")
     gen = cfg.generation or pol_gen
-    b = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    r, sec = cfg.rollout, cfg.rollout_section
+    b = r.num_prompts_per_step * r.num_generations_per_prompt
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
     dp = cfg.cluster.policy_workers
     if b > MAX_ROWS:
         errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
+            f"{sec}.num_prompts_per_step * {sec}.num_generations_per_prompt = {b} rollouts per step exceeds {MAX_ROWS}"
         )
     if b % gbs:
         errs.append(
-            f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {b} is not a multiple of "
+            f"{sec}.num_prompts_per_step * {sec}.num_generations_per_prompt = {b} is not a multiple of "
             f"policy.train_global_batch_size = {gbs}"
         )
     if gbs % (mbs * dp):
@@ -139,9 +165,9 @@ def combination_errors(cfg: "MasterConfig") -> list[str]:
             f"{cfg.data.max_input_seq_length + gen.max_new_tokens} exceeds policy.max_total_sequence_length = "
             f"{cfg.policy.max_total_sequence_length}"
         )
-    if (cfg.grpo.val_period or cfg.grpo.val_at_end) and cfg.data.dataset == "file" and not (
+    if (r.val_period or r.val_at_end) and cfg.data.dataset == "file" and not (
             cfg.data.val_path or cfg.data.split_validation_size):
-        errs.append("grpo.val_period > 0 (or grpo.val_at_end) with data.dataset 'file' needs data.val_path "
+        errs.append(f"{sec}.val_period > 0 (or {sec}.val_at_end) with data.dataset 'file' needs data.val_path "
                     "(or data.split_validation_size)")
     if getattr(gen, "backend", "hf") == "vllm" and cfg.cluster.gpus_per_node == 0:
         errs.append("generation.backend 'vllm' needs cluster.gpus_per_node >= 1 (use 'hf' on CPU)")

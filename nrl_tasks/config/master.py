@@ -3,15 +3,17 @@ saved by ``flows.config``; its hash: :mod:`nrl_tasks.config.hash`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
+from nrl_tasks.algorithms.distillation import DistillationLossConfig
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
 from nrl_tasks.config.base import Section
 from nrl_tasks.config.cluster import CheckpointingConfig, ClusterConfig, StorageConfig
 from nrl_tasks.config.combinations import combination_errors
 from nrl_tasks.config.data import DataConfig, EnvConfig
+from nrl_tasks.config.distillation import DistillationConfig
 from nrl_tasks.config.dpo import DPOConfig
 from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
@@ -22,10 +24,12 @@ from nrl_tasks.models.builtin import resolve_model_path
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 
-__all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "config_kind"]
+__all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "SECTION_KINDS", "config_kind", "section_of"]
 
-#: sections that make a config a run of their algorithm (the section's name is the run's kind)
-ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm")
+#: sections that make a config a run of their algorithm
+ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm", "distillation")
+#: the run kind of each of them where it is not the section's name (``nrl distill``)
+SECTION_KINDS: dict[str, str] = {"distillation": "distill"}
 #: the kind of a config with none of them (GRPO's section has defaults: every config has one)
 DEFAULT_KIND = "grpo"
 
@@ -44,17 +48,43 @@ def config_kind(data: Any) -> str:
     if len(sections) > 1:
         raise ConfigError(f"the config has the sections {' and '.join(f'`{s}`' for s in sections)}: one run trains one "
                           "algorithm (drop one)")
+    kinds = [SECTION_KINDS.get(s, s) for s in sections]
     named = get("algorithm")
-    if named is not None and sections and sections[0] != named:
-        raise ConfigError(f"algorithm = {named!r}, but the config has the `{sections[0]}` section of {sections[0]}")
-    return str(named) if named is not None else sections[0] if sections else DEFAULT_KIND
+    if named is not None and kinds and kinds[0] != named:
+        raise ConfigError(f"algorithm = {named!r}, but the config has the `{sections[0]}` section of {kinds[0]}")
+    return str(named) if named is not None else kinds[0] if kinds else DEFAULT_KIND
+
+
+def section_of(kind: str) -> str:
+    """The config section of a registered run kind (``distill`` -> ``distillation``).
+
+    >>> section_of("distill"), section_of("dpo")
+    ('distillation', 'dpo')
+    """
+    return next((s for s, k in SECTION_KINDS.items() if k == kind), kind)
+
+
+def _loss_tag(value: Any) -> str:
+    """Which ``loss_fn`` a section's data is: distillation's when it has one of its keys."""
+    if isinstance(value, DistillationLossConfig):
+        return "distillation"
+    if isinstance(value, dict) and set(value) & set(DistillationLossConfig.model_fields):
+        return "distillation"
+    return "clipped_pg"
+
+
+#: NeMo-RL's ``loss_fn`` section: GRPO's clipped policy gradient, or distillation's KL
+LossSection = Annotated[
+    Union[Annotated[ClippedPGLossConfig, Tag("clipped_pg")], Annotated[DistillationLossConfig, Tag("distillation")]],
+    Discriminator(_loss_tag),
+]
 
 
 class MasterConfig(Section):
     """Everything a run needs (GRPO, DPO, SFT, ...). See ``configs/grpo_tiny.yaml``."""
 
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    loss_fn: LossSection = Field(default_factory=ClippedPGLossConfig)
     policy: PolicyConfig
     generation: GenerationConfig | None = Field(None, description="default: policy.generation")
     data: DataConfig = Field(default_factory=DataConfig)
@@ -66,12 +96,32 @@ class MasterConfig(Section):
     dpo: DPOConfig | None = Field(None, description="set: a DPO run (nrl dpo; nrl_tasks.config.dpo)")
     sft: SFTConfig | None = Field(None, description="set: an SFT run (nrl sft; nrl_tasks.config.sft)")
     rm: RMConfig | None = Field(None, description="set: a reward-model training run (nrl rm; nrl_tasks.config.rm)")
+    distillation: DistillationConfig | None = Field(
+        None, description="set: an on-policy distillation run (nrl distill; nrl_tasks.config.distillation)")
+    teacher: PolicyConfig | None = Field(None, description="distillation's teacher: a policy config run without optimizer")
     algorithm: str | None = Field(
         None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$",
         description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft, rm) or module:attribute "
         "of a recipe; default: the algorithm whose section the config has (grpo without one)",
     )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _distillation_loss(cls, data: Any) -> Any:
+        """A distillation run without ``loss_fn`` gets distillation's defaults (NeMo-RL's); its
+        loss keys in another run are refused, naming them."""
+        if not isinstance(data, dict):
+            return data
+        loss = data.get("loss_fn")
+        if data.get("distillation") is None:
+            keys = sorted(set(loss) & set(DistillationLossConfig.model_fields)) if isinstance(loss, dict) else []
+            if keys:
+                raise ValueError(f"loss_fn.{', loss_fn.'.join(keys)}: distillation's keys, and this config has no "
+                                 "`distillation` section (add one, or drop them)")
+        elif not loss:
+            data = {**data, "loss_fn": DistillationLossConfig()}
+        return data
 
     @model_validator(mode="after")
     def _combinations(self) -> "MasterConfig":
@@ -86,9 +136,21 @@ class MasterConfig(Section):
         return config_kind(self)
 
     @property
+    def rollout(self) -> GRPOConfig | DistillationConfig:
+        """The section whose sampling keys the stages that sample and validate read
+        (``num_prompts_per_step``, ``num_generations_per_prompt``, ``max_rollout_turns``, ``seed``,
+        ``val_batch_size``, ``max_val_samples``): ``distillation`` in a distillation run, else ``grpo``."""
+        return self.distillation if self.distillation is not None else self.grpo
+
+    @property
+    def rollout_section(self) -> str:
+        """The name of :attr:`rollout`'s section (for messages naming its keys)."""
+        return "distillation" if self.distillation is not None else "grpo"
+
+    @property
     def rollout_batch_size(self) -> int:
         """Rows of one step: ``num_prompts_per_step * num_generations_per_prompt``."""
-        return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        return self.rollout.num_prompts_per_step * self.rollout.num_generations_per_prompt
 
     @property
     def has_generation(self) -> bool:

@@ -74,6 +74,8 @@ class RunActors(Protocol):
     policy: PolicyInterface
     generation: GenerationInterface
     reward_model: PolicyInterface | None
+    #: on-policy distillation's teacher (``teacher`` section; ``None`` in other runs)
+    teacher: PolicyInterface | None
     #: the multi-turn environment's actors (``env.environment``; ``None`` without one)
     environment: EnvironmentWorkers | None
 
@@ -82,6 +84,9 @@ class RunActors(Protocol):
 
     def start_generation(self, *, fresh: bool = False) -> bool:
         """Attach to the run's generation workers or create them. True if attached."""
+
+    def start_teacher(self, *, fresh: bool = False) -> None:
+        """Attach to the run's teacher or create it (``fresh``: kill it and create it)."""
 
 
 @dataclass

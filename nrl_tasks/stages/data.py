@@ -486,7 +486,7 @@ def snapshot_records(
     found = read_records_snapshot(uri, storage_options)
     if found is not None:
         return found
-    recs = (load or load_prompt_records)(cfg.data, split, cfg.grpo.seed, storage_options)
+    recs = (load or load_prompt_records)(cfg.data, split, cfg.rollout.seed, storage_options)
     if tokenizer is not None:
         src = getattr(cfg.data, f"{split}_path", None) or f"{cfg.data.dataset} {split} split"
         check_prompt_lengths(recs, cfg.data, tokenizer, cfg.max_prompt_tokens(), source=src)

@@ -167,7 +167,7 @@ def validate(ctx: StepContext, refit: ActionResult | None, weights_version: int)
     cfg = ctx.cfg
 
     def compute(_: Any, timer: Any) -> tuple[BatchedDataDict, dict[str, Any]]:
-        records = ctx.run.records("val")[: cfg.grpo.max_val_samples]
+        records = ctx.run.records("val")[: cfg.rollout.max_val_samples]
         ctx.actor_call("validate", "generation", ctx.generation.workers)
         episodes = None
         if cfg.env.environment is not None:
@@ -176,8 +176,8 @@ def validate(ctx: StepContext, refit: ActionResult | None, weights_version: int)
             episodes = episode_runner(cfg, ctx.tokenizer, ctx.generation, ctx.run.actors.environment)
         samples = evaluate_records(
             ctx.generation, ctx.tokenizer, records, data_cfg=cfg.data, env_cfg=cfg.env,
-            max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.grpo.seed, step=ctx.step, num_samples=0,
-            weights_version=weights_version, batch_size=cfg.grpo.val_batch_size, reward_model=ctx.run.reward_model,
+            max_prompt_tokens=cfg.max_prompt_tokens(), seed=cfg.rollout.seed, step=ctx.step, num_samples=0,
+            weights_version=weights_version, batch_size=cfg.rollout.val_batch_size, reward_model=ctx.run.reward_model,
             episodes=episodes,
         )
         summary = summarize_eval(samples)
@@ -304,8 +304,8 @@ def _evaluate_claimed(
         env_cfg = cfg.env.model_copy(update={"reward_model": cfg.env.reward_model.model_copy(update={"enabled": False})})
         samples = evaluate_records(
             gen, tokenizer, records, data_cfg=cfg.data, env_cfg=env_cfg, max_prompt_tokens=cfg.max_prompt_tokens(),
-            seed=cfg.grpo.seed, step=step, num_samples=num_samples, weights_version=None,
-            batch_size=cfg.grpo.val_batch_size, episodes=episodes,
+            seed=cfg.rollout.seed, step=step, num_samples=num_samples, weights_version=None,
+            batch_size=cfg.rollout.val_batch_size, episodes=episodes,
         )
     finally:
         if env is not None:

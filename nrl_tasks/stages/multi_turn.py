@@ -262,7 +262,7 @@ def episode_runner(cfg: Any, tokenizer: Any, generation: Any, environment: Any) 
     stop_ids += list(gen.stop_token_ids or [])
     pad = gen.pad_token_id if gen.pad_token_id is not None else (tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0])
     return MultiTurnRollout(
-        generation, environment, tok, max_turns=cfg.grpo.max_rollout_turns, max_total_tokens=cfg.policy.max_total_sequence_length,
+        generation, environment, tok, max_turns=cfg.rollout.max_rollout_turns, max_total_tokens=cfg.policy.max_total_sequence_length,
         max_new_tokens=gen.max_new_tokens, chat_template=cfg.data.chat_template,
         first_stop_strings=initial_stop_strings(cfg.env.environment) or gen.stop_strings, pad_id=int(pad), stop_ids=stop_ids,
     )

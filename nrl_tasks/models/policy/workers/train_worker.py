@@ -490,6 +490,9 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         micro_batches, packed = self._microbatches(gb, mbs)
+        reads_logits = getattr(loss_fn, "input_type", "logprobs") == "logits"
+        if reads_logits and packed:
+            raise ValueError(f"{type(loss_fn).__name__} reads whole logits: packed micro-batches are not built for it")
         total = torch.zeros((), dtype=torch.float64)
         bad_mb: int | None = None  # first micro-batch of this rank whose loss is not finite
         for mb_index, mb in enumerate(micro_batches):
@@ -499,6 +502,10 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
                     with self._autocast():
                         scores = last_token_scores(self.model, mb["input_ids"], mb["input_lengths"])
                     loss, metrics = loss_fn(scores, mb, global_valid_seqs, global_valid_toks)
+                elif reads_logits:  # e.g. DistillationLossFn: the whole next-token distribution
+                    with self._autocast():
+                        logits = forward_logits(self.model, mb["input_ids"]).float() / self.cfg.temperature
+                    loss, metrics = loss_fn(logits, mb, global_valid_seqs, global_valid_toks)
                 else:
                     lp = self._mb_logprobs(mb, packed)
                     loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
