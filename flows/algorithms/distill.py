@@ -25,6 +25,7 @@ checksum, so the teacher is never called again for a committed step. The run is 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -131,14 +132,19 @@ class DistillRecipe(GRPORecipe):
 
 def check_teacher(cfg: MasterConfig) -> None:
     """``ValueError`` naming ``teacher.model_name`` when the teacher's vocabulary is not the
-    student's (its top-k token ids would index other tokens) or its top k is wider than it."""
+    student's (its top-k token ids would index other tokens) or its top k is wider than it. A
+    model folder that does not exist yet (a pipeline's next stage starts from a checkpoint to
+    come) is not compared."""
     from transformers import AutoConfig
 
-    def vocab(name: str) -> int:
-        return int(AutoConfig.from_pretrained(resolve_model_path(name)).vocab_size)
+    def vocab(name: str) -> int | None:
+        path = resolve_model_path(name)
+        return int(AutoConfig.from_pretrained(path).vocab_size) if os.path.isdir(path) else None
 
     student, teacher = vocab(cfg.policy.model_name), vocab(cfg.teacher.model_name)
-    if student != teacher:
+    if teacher is None:
+        return
+    if student is not None and student != teacher:
         raise ValueError(f"teacher.model_name {cfg.teacher.model_name!r} has a vocabulary of {teacher} tokens, the student "
                          f"(policy.model_name) {student}: distillation needs the same tokenizer")
     if cfg.distillation.topk_logits_k > teacher:

@@ -23,6 +23,7 @@ every key of NeMo-RL's example files and its fate is ``docs/nemo_rl_keys.md``, w
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -194,6 +195,7 @@ RULES: tuple[Rule, ...] = (
          off_is(1)),
     Rule("policy.generation.vllm_cfg.expert_parallel_size", "refused", "vLLM expert parallelism is not implemented", off_is(1)),
     Rule("policy.generation.vllm_cfg.use_tqdm", "ignored", "progress bars"),
+    Rule("policy.generation.vllm_cfg.distributed_executor_backend", "ignored", "how vLLM starts its executors"),
     Rule("policy.generation.vllm_cfg.use_deep_gemm", "ignored", "a GPU kernel choice"),
     Rule("policy.generation.vllm_cfg.num_last_layers_in_bf16", "refused", "mixed-precision layers are not implemented",
          off_is(0)),
@@ -240,6 +242,16 @@ RULES: tuple[Rule, ...] = (
          "run's own record (metrics.jsonl, status, summary, checkpoints) is `<storage>/<run-id>`", convert=lambda v: v),
     Rule("logger.wandb.log_nemo_gym_full_result_tables", "ignored", "NeMo-Gym payload tables"),
 )
+
+
+
+def _for_teacher(rule: Rule) -> Rule:
+    """A ``policy.*`` rule for the same key of distillation's ``teacher`` (a whole policy config in NeMo-RL)."""
+    swap = lambda key: None if key is None else "teacher" + key[len("policy"):] if key.startswith("policy") else key  # noqa: E731
+    return dataclasses.replace(rule, key=swap(rule.key), to=swap(rule.to))
+
+
+RULES = (*RULES, *(_for_teacher(r) for r in RULES if r.key.startswith("policy.")))
 
 _BY_KEY = {r.key: r for r in RULES}
 

@@ -99,7 +99,8 @@ def _supervised_errors(cfg: "MasterConfig") -> list[str]:
 
 def _distillation_errors(cfg: "MasterConfig") -> list[str]:
     """An on-policy distillation run (``distillation`` set): a teacher, distillation's loss keys,
-    GRPO's options off, padded micro-batches (the loss reads the student's whole logits)."""
+    GRPO's options off, padded micro-batches (the loss reads the student's whole logits: dynamic
+    batching, not packing)."""
     from nrl_tasks.algorithms.distillation import DistillationLossConfig
 
     errs = []
@@ -113,9 +114,9 @@ def _distillation_errors(cfg: "MasterConfig") -> list[str]:
                     "GRPO key" if keys else "distillation: loss_fn is not distillation's")
     if cfg.grpo.async_grpo.enabled or cfg.grpo.use_dynamic_sampling:
         errs.append("distillation does not use grpo.async_grpo.enabled or grpo.use_dynamic_sampling (GRPO options)")
-    if cfg.policy.sequence_packing.enabled or cfg.policy.dynamic_batching.enabled:
-        errs.append("distillation: policy.sequence_packing / policy.dynamic_batching are not built for its loss "
-                    "(padded micro-batches)")
+    if cfg.policy.sequence_packing.enabled:
+        errs.append("distillation: policy.sequence_packing is not built for its loss (it reads the student's whole "
+                    "logits of padded rows; policy.dynamic_batching works)")
     d = cfg.distillation
     if d is not None and d.max_rollout_turns > 1 and cfg.env.environment is None:
         errs.append(f"distillation.max_rollout_turns = {d.max_rollout_turns} needs env.environment (who answers the turns)")

@@ -102,7 +102,7 @@ def test_killed_mid_update_then_resumed_is_bit_identical_without_asking_the_teac
     (["teacher=null"], "distillation needs a `teacher` section"),
     (["loss_fn={ratio_clip_min: 0.1}"], "loss_fn.ratio_clip_min is a GRPO key"),
     (["grpo.async_grpo.enabled=true"], "distillation does not use grpo.async_grpo.enabled"),
-    (["policy.sequence_packing={enabled: true, train_mb_tokens: 64, logprob_mb_tokens: 64}"], "not built for its loss"),
+    (["policy.sequence_packing={enabled: true, train_mb_tokens: 64, logprob_mb_tokens: 64}"], "sequence_packing is not built for its loss"),
     (["distillation.max_rollout_turns=2"], "needs env.environment"),
     (["distillation.num_prompts_per_step=3"], "distillation.num_prompts_per_step * distillation.num_generations_per_prompt"),
 ])
@@ -130,3 +130,26 @@ def test_a_top_k_wider_than_the_teachers_vocabulary_is_refused_before_anything_s
     assert main(["distill", "--config", str(path), "--run-id", "d-bad"]) == 2
     assert "distillation.topk_logits_k = 65536 exceeds the teacher's vocabulary" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "runs" / "d-bad")
+
+
+@pytest.mark.slow  # a second distillation run, multi-turn
+def test_a_multi_turn_environment_distils_whole_episodes(tmp_path, prefect_harness, tiny_model_dir):
+    """The student plays a user environment's episodes (3 turns); the teacher scores the whole
+    episode and the student trains on its own turns (token_mask), not the observations."""
+    import storage
+
+    root = str(tmp_path / "runs")
+    args = ["distill", "--config", CONFIG, "--storage", root, "--run-id", "dmt", f"policy.model_name={tiny_model_dir}",
+            "env.environment=tests.environments.test_multi_turn:CountdownEnvironment", "env.environment_kwargs={turns: 3}",
+            "distillation.max_rollout_turns=3", "data.chat_template=true", "policy.max_total_sequence_length=160",
+            "teacher.max_total_sequence_length=160", "distillation.max_num_steps=2", "distillation.val_period=2",
+            "distillation.max_val_samples=4"]
+    proc = run_nrl(args, prefect_harness, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for step in (1, 2):
+        d = _step_dir(root, "dmt", step)
+        r = storage.load_batch(os.path.join(d, "rollouts"), columns=["input_ids", "token_mask", "num_turns"])
+        teacher = storage.load_batch(os.path.join(d, "teacher"))
+        assert int(r["num_turns"].max()) >= 2 and tuple(teacher["topk_indices"].shape[:2]) == tuple(r["input_ids"].shape)
+        assert 0 < float(r["token_mask"].sum()) < float((r["input_ids"] != 0).sum())  # observations are not trained on
+        assert storage.read_manifest(os.path.join(d, "train")).meta["loss"] > 0

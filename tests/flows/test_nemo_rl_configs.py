@@ -20,6 +20,7 @@ from flows.config import ConfigError, load_config
 from flows.config.compose import compose_file, resolve_interpolations
 from flows.config.nemo_rl import _main as write_key_table
 from flows.config.nemo_rl import fate_of, leaf_keys, schema_keys, translate
+from nrl_tasks.config.master import SECTION_KINDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -37,6 +38,15 @@ BY_KIND = {
              "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
              "policy.generation.vllm_cfg.max_model_len=64"],
     "dpo": ["dpo.max_num_steps=2"],
+    # distillation_math.yaml: the student samples colocated (its file's choice); the teacher is a tiny Llama too
+    "distillation": ["distillation.max_num_steps=2", "distillation.val_period=0", "distillation.num_prompts_per_step=4",
+                     "distillation.num_generations_per_prompt=4", "distillation.topk_logits_k=16",
+                     "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
+                     "policy.generation.vllm_cfg.max_model_len=64", "policy.dtensor_cfg.tensor_parallel_size=1",
+                     "policy.dtensor_cfg.context_parallel_size=1", "teacher.model_name=builtin:tiny-seed3",
+                     "teacher.tokenizer.name=builtin:tiny", "teacher.max_total_sequence_length=64",
+                     "teacher.dtensor_cfg.tensor_parallel_size=1", "teacher.dtensor_cfg.context_parallel_size=1",
+                     "logger.wandb.name=d", "logger.swanlab.name=d", "logger.tensorboard.log_dir=tb"],
     # rm.yaml's -1 (one epoch) would be 2 steps here too; it names its loggers' runs like sft.yaml
     "rm": ["rm.max_num_steps=2", "logger.wandb.name=rm", "logger.swanlab.name=rm", "logger.tensorboard.log_dir=tb",
            "logger.mlflow.run_name=rm"],
@@ -47,8 +57,14 @@ BY_KIND = {
 
 
 def _kind(path: str) -> str:
+    """The algorithm section of one of NeMo-RL's files (``distillation`` for distillation_math.yaml)."""
     name = os.path.basename(path)
     return next(k for k in BY_KIND if name.startswith(k))
+
+
+def _run_kind(section: str) -> str:
+    """The run kind of a section (``nrl distill`` trains the ``distillation`` section)."""
+    return SECTION_KINDS.get(section, section)
 
 
 def _resolved(path: str) -> dict:
@@ -56,7 +72,7 @@ def _resolved(path: str) -> dict:
 
 
 def test_the_tested_files_are_nemo_rls_own_with_their_source():
-    assert len(FILES) == 8
+    assert len(FILES) == 9
     for path in FILES:
         with open(path, encoding="utf-8") as fh:
             head = fh.readline()
@@ -86,14 +102,14 @@ def test_each_file_validates_with_the_cpu_overrides_and_nrl_check_says_so(path, 
     overrides = COMMON + BY_KIND[_kind(path)]
     with caplog.at_level(logging.WARNING, logger="flows.config"):
         cfg = load_config(path, overrides)
-    assert cfg.kind == _kind(path)
+    assert cfg.kind == _run_kind(_kind(path))
     ignored = [r.getMessage() for r in caplog.records if "NeMo-RL keys ignored" in r.getMessage()]
     assert len(ignored) == 1 and "policy.offload_optimizer_for_logprob" in ignored[0]  # one line naming the keys
     assert cfg.checkpointing.metric_name.startswith("val_")  # NeMo-RL's val:<name>, mapped
     capsys.readouterr()
     assert main(["check", path, *overrides]) == 0
     out = capsys.readouterr().out
-    assert f"a valid {_kind(path).upper()} config" in out
+    assert f"a valid {_run_kind(_kind(path)).upper()} config" in out
     # the file's keys by fate: counts, then the mapped and ignored ones with how or why
     counts = re.search(r"keys by fate \(docs/nemo_rl_keys.md\): (\d+) honoured, (\d+) mapped, (\d+) ignored, 0 refused", out)
     assert counts and int(counts.group(1)) > 50 and int(counts.group(3)) > 0, out[:3000]
@@ -211,7 +227,7 @@ def test_nemo_rls_scheduler_list_is_torchs_sequential_lr(tmp_path):
     assert sched.factor(0) == pytest.approx(0.1) and sched.factor(39) == 1.0
 
 
-@pytest.mark.parametrize("section, needle", [("distillation", "on-policy distillation"), ("ppo", "PPO with a value model")])
+@pytest.mark.parametrize("section, needle", [("ppo", "PPO with a value model")])
 def test_configs_of_algorithms_not_built_here_are_refused_naming_what_is_missing(section, needle, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(f"defaults: {os.path.join(CONFIGS, 'grpo_math_1B.yaml')}\n{section}: {{max_num_steps: 2}}\n")
@@ -239,10 +255,10 @@ def _local_data(kind: str, tmp_path) -> list[str]:
                 "data.validation=null"]
     # GRPO: 11 of 12 rows train (one held out), 2 steps of 4 prompts in its one epoch; SFT: 2 steps of 16
     # rows (the LoRA recipe holds 2 of the 34 out)
-    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(12 if kind == "grpo" else 34)]
+    rows = [{"question": f"What is {i}+1?", "solution": str(i + 1)} for i in range(34 if kind == "sft" else 12)]
     keys = ["data.train.dataset_name=ResponseDataset", f"data.train.data_path={_jsonl(tmp_path / 'qa.jsonl', rows)}",
             "data.train.input_key=question", "data.train.output_key=solution"]
-    if kind == "grpo":  # (a recipe's validation set, e.g. AIME repeated 16 times, is a hub dataset: none)
+    if kind in ("grpo", "distillation"):  # (a recipe's validation set, e.g. AIME repeated 16 times, is a hub dataset: none)
         return keys + ["data.default.prompt_file=null", "data.validation=null"]
     return keys + ["data.validation=null"]
 

@@ -30,7 +30,7 @@ PIPELINE = os.path.join(REPO, "configs", "pipeline_tiny.yaml")
 
 def _pipeline_file(tmp_path, model_dir: str, stages: list[dict]) -> str:
     """A pipeline file next to copies of the tiny configs, on the session's tiny model."""
-    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "rm_tiny.yaml"):
+    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "rm_tiny.yaml", "distillation_tiny.yaml"):
         with open(os.path.join(REPO, "configs", name), encoding="utf-8") as fh:
             cfg = yaml.safe_load(fh)
         cfg["policy"]["model_name"] = model_dir
@@ -232,3 +232,34 @@ def test_sft_then_reward_model_then_grpo_scored_by_it_runs_end_to_end(prefect_ha
     assert saved["env"]["reward_model"]["model_name"] == os.path.join(state["stages"]["rm"]["final_checkpoint"], "weights")
     rewards = storage.load_batch(os.path.join(root, "R-grpo", "steps", "step_000001", "rewards"))["rewards"]
     assert any(float(r) not in (0.0, 1.0) for r in rewards), rewards  # the reward model's scores
+
+
+DISTILL_STAGES = [
+    {"name": "sft", "config": "sft_tiny.yaml", "overrides": ["sft.max_num_steps=2", "checkpointing.save_period=2"]},
+    {"name": "distill", "config": "distillation_tiny.yaml",
+     "overrides": ["distillation.max_num_steps=2", "distillation.val_period=2", "checkpointing.save_period=2"]},
+    {"name": "eval", "eval": {"num_samples": 1, "max_prompts": 8}},
+]
+
+
+def test_a_distillation_stage_trains_the_last_stages_weights_against_its_own_teacher(tmp_path, tiny_model_dir):
+    from flows.pipeline import final_weights, load_pipeline, plan_stages
+
+    root = str(tmp_path / "runs")
+    sft, distill, _ = plan_stages(load_pipeline(_pipeline_file(tmp_path, tiny_model_dir, DISTILL_STAGES)), root, "Q")
+    assert distill["cfg"].kind == "distill" and distill["cfg"].policy.model_name == final_weights(root, "Q-sft", 2)
+    assert distill["cfg"].teacher.model_name == "builtin:tiny-seed3"  # the teacher is the stage's own
+
+
+@pytest.mark.slow  # a whole pipeline: two stage runs and an evaluation
+def test_sft_then_distillation_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
+    root = str(tmp_path / "runs")
+    path = _pipeline_file(tmp_path, tiny_model_dir, DISTILL_STAGES)
+    proc = run_nrl(["pipeline", "--config", path, "--storage", root, "--run-id", "D"], prefect_harness, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = _state(root, "D")
+    assert state["status"] == "completed" and list(state["stages"]) == ["sft", "distill", "eval"]
+    assert state["stages"]["eval"]["run_id"] == "D-distill" and 0.0 <= state["stages"]["eval"]["figures"]["accuracy"] <= 1.0
+    saved = yaml.safe_load(open(os.path.join(root, "D-distill", "config.yaml"), encoding="utf-8"))
+    assert saved["policy"]["model_name"] == os.path.join(state["stages"]["sft"]["final_checkpoint"], "weights")
+    assert os.path.isdir(os.path.join(root, "D-distill", "steps", "step_000002", "teacher"))
