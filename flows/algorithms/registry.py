@@ -19,6 +19,7 @@ from typing import Any
 from flows.algorithms.distill import DISTILL
 from flows.algorithms.dpo import DPO
 from flows.algorithms.grpo import GRPO
+from flows.algorithms.ppo import PPO
 from flows.algorithms.rm import RM
 from flows.algorithms.sft import SFT
 from flows.config import ConfigError, MasterConfig
@@ -28,7 +29,7 @@ from nrl_tasks.config.master import config_kind
 __all__ = ["RECIPES", "recipe_for", "recipe_of"]
 
 #: every registered algorithm, by kind
-RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT, RM, DISTILL)}
+RECIPES: dict[str, Recipe] = {r.kind: r for r in (GRPO, DPO, SFT, RM, DISTILL, PPO)}
 
 
 def recipe_for(kind: str) -> Recipe:

@@ -115,11 +115,10 @@ def _metric_name(value: Any) -> Any:
 _GPU_ENV = ("PYTORCH_CUDA_", "CUDA_", "NCCL_", "NVTE_", "TORCH_NCCL_")
 _HUB_DATA = ("a local ResponseDataset / BinaryPreferenceDataset file is `data.dataset: file`, `data.train_path` and the "
              "row keys (flows/config/nemo_rl_data.py); a hub dataset is refused with the override that works")
-_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo, sft, rm and distill"
+_ALGORITHMS_HERE = "the algorithms here are grpo (with its loss menu: DAPO, CISPO, GSPO, ...), dpo, sft, rm, distill and ppo"
 
 RULES: tuple[Rule, ...] = (
     # ---- NeMo-RL's algorithms not built here yet (issue 43)
-    Rule("ppo", "refused", f"PPO with a value model (NeMo-RL's `ppo` section) is not implemented yet; {_ALGORITHMS_HERE}"),
     # ---- grpo
     Rule("grpo.val_start_at", "refused", "delayed periodic validation is not implemented", off_is(-1, None)),
     Rule("grpo.val_num_generations_per_prompt", "refused",
@@ -127,7 +126,8 @@ RULES: tuple[Rule, ...] = (
     Rule("grpo.seq_logprob_error_threshold", "refused", "the sequence logprob-error filter is not implemented", OFF_NULL),
     Rule("grpo.invalid_tool_call_advantage", "refused", "tool-call advantages are not implemented", OFF_NULL),
     Rule("grpo.malformed_thinking_advantage", "refused", "<think>-tag advantages are not implemented", OFF_NULL),
-    Rule("grpo.reward_shaping.stop_properly_penalty_coef", "refused", "the stop-properly penalty is not implemented", OFF_NULL),
+    *(Rule(f"{s}.reward_shaping.stop_properly_penalty_coef", "refused", "the stop-properly penalty is not implemented",
+           OFF_NULL) for s in ("grpo", "ppo")),
     Rule("grpo.adv_estimator.normalize_rewards", "mapped", "the advantage's normalisation is `grpo.normalize_rewards`",
          to="grpo.normalize_rewards"),
     Rule("grpo.adv_estimator.use_leave_one_out_baseline", "mapped",
@@ -245,13 +245,14 @@ RULES: tuple[Rule, ...] = (
 
 
 
-def _for_teacher(rule: Rule) -> Rule:
-    """A ``policy.*`` rule for the same key of distillation's ``teacher`` (a whole policy config in NeMo-RL)."""
-    swap = lambda key: None if key is None else "teacher" + key[len("policy"):] if key.startswith("policy") else key  # noqa: E731
+def _for_section(rule: Rule, section: str) -> Rule:
+    """A ``policy.*`` rule for the same key of another whole policy config in NeMo-RL's files:
+    distillation's ``teacher``, PPO's ``value``."""
+    swap = lambda key: None if key is None else section + key[len("policy"):] if key.startswith("policy") else key  # noqa: E731
     return dataclasses.replace(rule, key=swap(rule.key), to=swap(rule.to))
 
 
-RULES = (*RULES, *(_for_teacher(r) for r in RULES if r.key.startswith("policy.")))
+RULES = (*RULES, *(_for_section(r, s) for s in ("teacher", "value") for r in RULES if r.key.startswith("policy.")))
 
 _BY_KEY = {r.key: r for r in RULES}
 

@@ -82,7 +82,7 @@ def local_ray_cpus(cfg: MasterConfig) -> int:
         need += cfg.gen.num_workers * max(cfg.gen.num_cpus_per_worker, 0.0)
     if cfg.env.reward_model.enabled:
         need += 1
-    if cfg.teacher is not None:  # distillation's teacher: as many workers as the policy
+    if cfg.teacher is not None or cfg.ppo is not None:  # distillation's teacher, PPO's value model: as many workers
         need += cfg.cluster.policy_workers * max(cfg.cluster.num_cpus_per_worker, 0.0)
     return int(max(os.cpu_count() or 1, need + 1))
 

@@ -51,6 +51,8 @@ class Actors:
     environment: bool = False
     #: on-policy distillation's teacher (a Policy without optimizer)
     teacher: bool = False
+    #: PPO's value model (a trained one-output head; checkpoints hold it beside the policy)
+    value: bool = False
 
 
 @dataclass(frozen=True)

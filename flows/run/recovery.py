@@ -55,6 +55,7 @@ from nrl_tasks.stages.checkpoint import (
     has_optimizer_state,
     restore_checkpoint,
     save_checkpoint,
+    trained_models,
 )
 from nrl_tasks.stages.checkpoint_files import CheckpointDamagedError
 from nrl_tasks.stages.context import RunContext
@@ -104,6 +105,8 @@ def execute_plan(
         recreate_generation(actors, "a worker is dead or does not answer", log)
     if plan.recreate_policy:
         recreate_policy(actors, "; ".join(plan.reasons) or "restore to the initial weights", log)
+        if trained_models(run):  # PPO's value model goes back with the policy (initial weights, then the restore)
+            actors.start_value(fresh=True)
     for s, problem in sorted(plan.discard.items()):
         uri = run.layout.checkpoint_uri(s)
         discard_checkpoint(uri, problem, run.storage_options)
@@ -113,7 +116,8 @@ def execute_plan(
         restored = "initial"
         if plan.restore_from > 0:
             restored = run.layout.checkpoint_uri(plan.restore_from)
-            info = restore_checkpoint(run.policy, restored, run.storage_options, verify=not verified)
+            info = restore_checkpoint(run.policy, restored, run.storage_options, verify=not verified,
+                                      extra=trained_models(run))
             _check_restored_weights(run, plan, restored, info, log)
             if optimizer_required:
                 _check_optimizer_restored(run, restored, info)
@@ -171,7 +175,7 @@ def _resave_checkpoint(run: RunContext, step: int, log: Any) -> None:
     meta = storage.read_manifest(run.layout.stage_uri(step, "train"), **run.storage_kw).meta
     info = checkpoint_info(run, step, step, config_hash(run.cfg), meta.get("weights_checksum"))
     save_checkpoint(run.policy, uri, info, save_optimizer=run.cfg.checkpointing.save_optimizer,
-                    storage_options=run.storage_options, on_written=run.check_fence)
+                    storage_options=run.storage_options, on_written=run.check_fence, extra=trained_models(run))
     log.warning("re-saved checkpoint %s (discarded as damaged) from the replayed train of step %d", uri, step)
 
 

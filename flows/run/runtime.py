@@ -69,6 +69,7 @@ class Runtime:
     generation: Any = None
     reward_model: Any = None
     teacher: Any = None
+    value: Any = None  # PPO's value model
     environment: Any = None  # EnvironmentWorkers when env.environment is set
     clusters: dict[str, Any] = field(default_factory=dict)
     policy_attached: bool = False
@@ -192,6 +193,27 @@ class Runtime:
         self.teacher = Policy(cl, t_cfg, self.tokenizer, name_prefix="teacher", namespace=self.namespace,
                               init_optimizer=False, init_reference_model=False)
 
+    def start_value(self, *, fresh: bool = False) -> bool:
+        """PPO's value model (:meth:`MasterConfig.value_config`: a one-output head, trained), in
+        ``cluster.policy_workers`` workers of its own. Attach to the run's or create it (``fresh``:
+        kill a live one and create it: initial weights, version 0). Returns True when attached."""
+        if self.cfg.ppo is None:
+            return False
+        v_cfg = self.cfg.value_config()
+        if fresh:
+            _kill_group(self, "value", "value")
+        else:
+            try:
+                self.value = Policy.attach(v_cfg, self.tokenizer, name_prefix="value", namespace=self.namespace)
+                return True
+            except (LookupError, RuntimeError) as exc:
+                logger.info("no live value model to attach to (%s): creating it", exc)
+        cl = self.clusters.get("value") or self._cluster("value", self.cfg.cluster.policy_workers,
+                                                         self.cfg.cluster.num_cpus_per_worker)
+        self.value = Policy(cl, v_cfg, self.tokenizer, name_prefix="value", namespace=self.namespace,
+                            init_optimizer=True, init_reference_model=False)
+        return False
+
     def start_environment(self) -> None:
         """The ``env.environment`` actors (``env.num_workers``), made fresh for each flow process:
         an environment keeps no state between calls (the episode's state is its metadata)."""
@@ -211,7 +233,7 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement groups (idempotent)."""
-        for name in ("environment", "generation", "policy", "reward_model", "teacher"):
+        for name in ("environment", "generation", "policy", "reward_model", "teacher", "value"):
             h = getattr(self, name)
             if h is not None:
                 try:
@@ -225,7 +247,7 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001
                 logger.warning("placement group removal (%s) failed: %s", role, exc)
         self.clusters.clear()
-        for role in ("policy", "generation", "reward", "teacher"):
+        for role in ("policy", "generation", "reward", "teacher", "value"):
             try:
                 from nrl_tasks.distributed.virtual_cluster import RayVirtualCluster
 
@@ -308,6 +330,8 @@ def setup_runtime(
         rt.start_reward_model()
     if actors.teacher:
         rt.start_teacher()
+    if actors.value:
+        rt.start_value()
     if actors.environment:
         rt.start_environment()
     return rt

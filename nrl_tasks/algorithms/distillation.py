@@ -121,9 +121,10 @@ class DistillationLossFn:
         with torch.no_grad():
             if cfg.zero_outside_topk:
                 mass = p.sum(-1)
-            else:
-                full = torch.log_softmax(logits.to(torch.float32), dim=-1)[:, :-1]
-                mass = full.gather(-1, data["teacher_topk_indices"][:, :-1].to(full.device, torch.long)).exp().sum(-1)
+            else:  # log sum_{i in top k} p_i = logsumexp(s[top k]) - logsumexp(s): no second [B, S, V] softmax
+                s = logits[:, :-1].to(torch.float32)
+                top = s.gather(-1, data["teacher_topk_indices"][:, :-1].to(s.device, torch.long))
+                mass = (torch.logsumexp(top, -1) - torch.logsumexp(s, -1)).exp()
             metrics = {"loss": loss.item(), "kl_forward": mean(forward).item(), "kl_reverse": mean(reverse).item(),
                        "teacher_topk_mass": mean(mass).item(), "num_valid_samples": float(data["sample_mask"].sum())}
         return loss, metrics

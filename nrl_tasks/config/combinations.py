@@ -123,11 +123,56 @@ def _distillation_errors(cfg: "MasterConfig") -> list[str]:
     return errs
 
 
+def _ppo_errors(cfg: "MasterConfig") -> list[str]:
+    """A PPO run (``ppo`` set): GRPO's loss (``loss_fn``) and the generation checks apply; what is
+    not built for PPO is refused naming its key (see :mod:`nrl_tasks.config.ppo`)."""
+    from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+
+    p, errs = cfg.ppo, []
+    if not isinstance(cfg.loss_fn, ClippedPGLossConfig):
+        return ["ppo trains the policy with loss_fn's clipped policy gradient (GRPO's keys), not distillation's"]
+    for key, on in (("ppo.async_ppo.enabled", p.async_ppo.enabled), ("ppo.use_dynamic_sampling", p.use_dynamic_sampling),
+                    ("ppo.overlong_filtering", p.overlong_filtering),
+                    ("ppo.seq_logprob_error_threshold", p.seq_logprob_error_threshold is not None),
+                    ("grpo.async_grpo.enabled", cfg.grpo.async_grpo.enabled),
+                    ("grpo.use_dynamic_sampling", cfg.grpo.use_dynamic_sampling)):
+        if on:
+            errs.append(f"{key}: not built for PPO here (synchronous PPO with GAE; set it off)")
+    if p.batch_multiplier != 1:
+        errs.append(f"ppo.batch_multiplier ({p.batch_multiplier}) is only used with ppo.use_dynamic_sampling")
+    kl = cfg.loss_fn.reference_policy_kl_penalty > 0
+    if kl and p.skip_reference_policy_logprobs_calculation:
+        errs.append("ppo.skip_reference_policy_logprobs_calculation with loss_fn.reference_policy_kl_penalty > 0: the KL "
+                    "term reads the reference policy's logprobs (skip them only without it)")
+    if cfg.loss_fn.force_on_policy_ratio:
+        errs.append("loss_fn.force_on_policy_ratio does not go with PPO's ppo_epochs passes over a batch")
+    if cfg.cluster.policy_workers != 1:
+        errs.append(f"ppo with cluster.policy_workers = {cfg.cluster.policy_workers}: the value model's data-parallel "
+                    "training is not built yet (use 1)")
+    if cfg.policy.sequence_packing.enabled or cfg.value_config().sequence_packing.enabled:
+        errs.append("ppo: sequence_packing is not built for the value model's per-token head (dynamic batching works)")
+    if cfg.policy.reward_model_cfg.enabled or (cfg.value is not None and cfg.value.reward_model_cfg.enabled
+                                               and cfg.value.reward_model_cfg.reward_model_type != "regression"):
+        errs.append("ppo: the policy is a causal LM and the value model a regression head (value.reward_model_cfg."
+                    "reward_model_type: regression)")
+    if p.max_rollout_turns > 1 and cfg.env.environment is None:
+        errs.append(f"ppo.max_rollout_turns = {p.max_rollout_turns} needs env.environment (who answers the turns)")
+    if p.policy_training_start_step >= p.max_num_steps:
+        errs.append(f"ppo.policy_training_start_step ({p.policy_training_start_step}) >= ppo.max_num_steps "
+                    f"({p.max_num_steps}): the policy would never train")
+    return errs
+
+
 def combination_errors(cfg: "MasterConfig") -> list[str]:
     """Every problem of keys that are valid alone but not together (each message names the keys)."""
     if cfg.dpo is not None or cfg.sft is not None or cfg.rm is not None:
         return _supervised_errors(cfg)
-    errs = _distillation_errors(cfg) if cfg.distillation is not None else _algorithm_errors(cfg)
+    if cfg.distillation is not None:
+        errs = _distillation_errors(cfg)
+    elif cfg.ppo is not None:
+        errs = _ppo_errors(cfg)
+    else:
+        errs = _algorithm_errors(cfg)
     pol_gen = getattr(cfg.policy, "generation", None)
     if cfg.generation is None and pol_gen is None:
         errs.append("generation: missing (set `generation` or `policy.generation`)")

@@ -9,6 +9,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from nrl_tasks.algorithms.distillation import DistillationLossConfig
 from nrl_tasks.algorithms.loss_functions import ClippedPGLossConfig
+from nrl_tasks.algorithms.value_loss import ValueLossConfig
 from nrl_tasks.config.base import Section
 from nrl_tasks.config.cluster import CheckpointingConfig, ClusterConfig, StorageConfig
 from nrl_tasks.config.combinations import combination_errors
@@ -18,6 +19,7 @@ from nrl_tasks.config.dpo import DPOConfig
 from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, WarmStartConfig
 from nrl_tasks.config.logger import LoggerConfig
+from nrl_tasks.config.ppo import PPOConfig
 from nrl_tasks.config.rm import RMConfig
 from nrl_tasks.config.sft import SFTConfig
 from nrl_tasks.models.builtin import resolve_model_path
@@ -27,7 +29,7 @@ from nrl_tasks.models.policy import PolicyConfig
 __all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "SECTION_KINDS", "config_kind", "section_of"]
 
 #: sections that make a config a run of their algorithm
-ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm", "distillation")
+ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm", "distillation", "ppo")
 #: the run kind of each of them where it is not the section's name (``nrl distill``)
 SECTION_KINDS: dict[str, str] = {"distillation": "distill"}
 #: the kind of a config with none of them (GRPO's section has defaults: every config has one)
@@ -99,6 +101,10 @@ class MasterConfig(Section):
     distillation: DistillationConfig | None = Field(
         None, description="set: an on-policy distillation run (nrl distill; nrl_tasks.config.distillation)")
     teacher: PolicyConfig | None = Field(None, description="distillation's teacher: a policy config run without optimizer")
+    ppo: PPOConfig | None = Field(None, description="set: a PPO run with a value model (nrl ppo; nrl_tasks.config.ppo)")
+    value: PolicyConfig | None = Field(None, description="PPO's value model (a policy config with a one-output head; "
+                                       "default: the policy's)")
+    value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
     algorithm: str | None = Field(
         None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$",
         description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft, rm) or module:attribute "
@@ -136,16 +142,33 @@ class MasterConfig(Section):
         return config_kind(self)
 
     @property
-    def rollout(self) -> GRPOConfig | DistillationConfig:
+    def rollout(self) -> GRPOConfig | DistillationConfig | PPOConfig:
         """The section whose sampling keys the stages that sample and validate read
         (``num_prompts_per_step``, ``num_generations_per_prompt``, ``max_rollout_turns``, ``seed``,
-        ``val_batch_size``, ``max_val_samples``): ``distillation`` in a distillation run, else ``grpo``."""
-        return self.distillation if self.distillation is not None else self.grpo
+        ``val_batch_size``, ``max_val_samples``): ``distillation`` or ``ppo`` in those runs, else ``grpo``."""
+        return self.distillation or self.ppo or self.grpo
 
     @property
     def rollout_section(self) -> str:
         """The name of :attr:`rollout`'s section (for messages naming its keys)."""
-        return "distillation" if self.distillation is not None else "grpo"
+        return "distillation" if self.distillation is not None else "ppo" if self.ppo is not None else "grpo"
+
+    @property
+    def reward_keys(self) -> GRPOConfig | PPOConfig:
+        """The section whose ``reward_scaling`` and ``reward_shaping`` the ``score`` stage applies
+        (``ppo`` in a PPO run, else ``grpo``)."""
+        return self.ppo or self.grpo
+
+    def value_config(self) -> PolicyConfig:
+        """PPO's value model as its workers run it: the ``value`` section (default: the policy's),
+        a one-output head (``reward_model_cfg``), built-in model names resolved."""
+        base = self.value if self.value is not None else self.policy
+        data = base.model_dump(mode="json")
+        data.update(model_name=resolve_model_path(base.model_name), generation=None,
+                    reward_model_cfg={"enabled": True, "reward_model_type": "regression"})
+        if base.tokenizer.name:
+            data["tokenizer"] = {**data["tokenizer"], "name": resolve_model_path(base.tokenizer.name)}
+        return type(base).model_validate(data)
 
     @property
     def rollout_batch_size(self) -> int:

@@ -5,6 +5,8 @@ A checkpoint ``<run>/checkpoints/step_000008/`` holds the state after the ``trai
     weights/        HF-loadable model (``*.safetensors`` + config) and its tokenizer:
                     ``AutoModelForCausalLM.from_pretrained(".../weights")`` works
     optimizer/      optimizer, scheduler and RNG states (safetensors + JSON; no pickle)
+    value/          PPO's runs: the value model's weights/ and optimizer/ (every trained model of
+                    the run is in the one commit)
     checkpoint.json step, weights_version, config_hash, data cursor, the weights checksum the
                     step's train recorded, the save's seconds and the file manifest (every file
                     of weights/ and optimizer/ with size and checksum) - written LAST (the commit)
@@ -31,7 +33,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefect import task
@@ -69,6 +71,7 @@ __all__ = [
     "local_checkpoint_dir",
     "read_checkpoint_info",
     "restore_checkpoint",
+    "trained_models",
     "save_checkpoint",
 ]
 
@@ -143,21 +146,29 @@ def _worker_storage_options(storage_options: dict[str, Any] | None) -> dict[str,
     return _fs().s3_options(storage_options)
 
 
+def trained_models(run: RunContext) -> dict[str, PolicyInterface]:
+    """The run's trained models besides the policy, by their folder in a checkpoint (PPO's ``value``)."""
+    value = getattr(run.actors, "value", None)
+    return {"value": value} if value is not None else {}
+
+
 def _save_to_s3(
     policy: PolicyInterface, uri: str, info: dict[str, Any], *, save_optimizer: bool, storage_options: dict[str, Any] | None,
-    on_written: Callable[[], None] | None, t0: float,
+    on_written: Callable[[], None] | None, t0: float, extra: Mapping[str, PolicyInterface],
 ) -> None:
     fs = _fs()
     commit = f"{uri.rstrip('/')}/{COMMIT_FILE}"
     if fs.exists(uri, storage_options=storage_options):  # an old or half-written checkpoint here
         fs.remove(commit, storage_options=storage_options)  # uncommit first, then clear
         fs.remove(uri, recursive=True, storage_options=storage_options)
-    policy.save_checkpoint(
-        weights_path=f"{uri.rstrip('/')}/weights",
-        optimizer_path=f"{uri.rstrip('/')}/optimizer" if save_optimizer else None,
-        tokenizer_path=f"{uri.rstrip('/')}/weights",  # weights/ is a complete HF folder
-        storage_options=_worker_storage_options(storage_options),
-    )
+    for prefix, model in {"": policy, **{f"{k}/": m for k, m in extra.items()}}.items():
+        base = f"{uri.rstrip('/')}/{prefix}"
+        model.save_checkpoint(
+            weights_path=f"{base}weights",
+            optimizer_path=f"{base}optimizer" if save_optimizer else None,
+            tokenizer_path=f"{base}weights",  # weights/ is a complete HF folder
+            storage_options=_worker_storage_options(storage_options),
+        )
     if on_written is not None:
         on_written()
     body = _commit_body(info, remote_file_manifest(uri, storage_options), save_optimizer, t0)
@@ -179,15 +190,18 @@ def save_checkpoint(
     save_optimizer: bool = True,
     storage_options: dict[str, Any] | None = None,
     on_written: Callable[[], None] | None = None,
+    extra: Mapping[str, PolicyInterface] | None = None,
 ) -> dict[str, Any]:
-    """Write a committed checkpoint of ``policy`` at ``uri`` (see module docstring); ``on_written()``
-    runs once the files are written, before the commit."""
+    """Write a committed checkpoint of ``policy`` (and of the ``extra`` models, each in its folder:
+    :func:`trained_models`) at ``uri`` (see module docstring); ``on_written()`` runs once the files
+    are written, before the commit."""
     t0 = time.perf_counter()
     name = uri.rstrip("/").rsplit("/", 1)[-1]
+    extra = dict(extra or {})
     if _is_s3(uri):
         _save_to_s3(
             policy, uri, info, save_optimizer=save_optimizer, storage_options=storage_options,
-            on_written=on_written, t0=t0,
+            on_written=on_written, t0=t0, extra=extra,
         )
         return {"uri": uri, "seconds": time.perf_counter() - t0, **info}
     target = os.path.abspath(_local(uri))
@@ -195,11 +209,13 @@ def save_checkpoint(
     staging = os.path.join(os.path.dirname(target), f".tmp-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(staging)
     try:
-        policy.save_checkpoint(
-            weights_path=os.path.join(staging, "weights"),
-            optimizer_path=os.path.join(staging, "optimizer") if save_optimizer else None,
-            tokenizer_path=os.path.join(staging, "weights"),  # weights/ is a complete HF folder
-        )
+        for folder, model in {"": policy, **extra}.items():
+            base = os.path.join(staging, folder)
+            model.save_checkpoint(
+                weights_path=os.path.join(base, "weights"),
+                optimizer_path=os.path.join(base, "optimizer") if save_optimizer else None,
+                tokenizer_path=os.path.join(base, "weights"),  # weights/ is a complete HF folder
+            )
         if on_written is not None:
             on_written()
         body = _commit_body(info, file_manifest(staging), save_optimizer, t0)
@@ -228,7 +244,8 @@ def local_checkpoint_dir(uri: str, storage_options: dict[str, Any] | None = None
 
 
 def restore_checkpoint(
-    policy: PolicyInterface, uri: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True
+    policy: PolicyInterface, uri: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True,
+    extra: Mapping[str, PolicyInterface] | None = None,
 ) -> dict[str, Any]:
     """Load weights, optimizer, scheduler and RNG of a committed checkpoint into the live policy
     (from S3: every worker downloads it on its own node; nothing is staged in this process).
@@ -236,7 +253,8 @@ def restore_checkpoint(
     ``verify``: check the listed files first (:func:`check_checkpoint`; off when the caller just
     did). ``CheckpointDamagedError`` naming the file when one is missing or differs; nothing is
     loaded then. A checkpoint with a file manifest that recorded an optimizer state is loaded
-    with it or not at all; one without a manifest (written before them) loads what it holds."""
+    with it or not at all; one without a manifest (written before them) loads what it holds.
+    ``extra``: the run's other trained models (:func:`trained_models`), each from its folder."""
     info = read_checkpoint_info(uri, storage_options)
     step = int(info.get("step") or parse_step_dir(uri) or 0)
     if verify:
@@ -250,18 +268,22 @@ def restore_checkpoint(
             has_opt = bool(info.get("optimizer"))
         else:
             has_opt = bool(_fs().walk_files(f"{base}/optimizer", storage_options))
-        policy.load_checkpoint(
-            f"{base}/weights", f"{base}/optimizer" if has_opt else None,
-            storage_options=_worker_storage_options(storage_options),
-        )
-        policy.set_weights_version(int(info["weights_version"]))
+        for prefix, model in {"": policy, **{f"{k}/": m for k, m in (extra or {}).items()}}.items():
+            model.load_checkpoint(
+                f"{base}/{prefix}weights", f"{base}/{prefix}optimizer" if has_opt else None,
+                storage_options=_worker_storage_options(storage_options),
+            )
+            model.set_weights_version(int(info["weights_version"]))
         return info
     path, temporary = local_checkpoint_dir(uri, storage_options)
     try:
-        opt = os.path.join(path, "optimizer")
-        has_opt = bool(info.get("optimizer")) if listed is not None else os.path.isdir(opt)
-        policy.load_checkpoint(os.path.join(path, "weights"), opt if has_opt else None)
-        policy.set_weights_version(int(info["weights_version"]))
+        has_opt = bool(info.get("optimizer")) if listed is not None else os.path.isdir(os.path.join(path, "optimizer"))
+        for folder, model in {"": policy, **(extra or {})}.items():
+            base = os.path.join(path, folder)
+            if folder and not os.path.isdir(os.path.join(base, "weights")):
+                raise CheckpointDamagedError(step, uri, f"it holds no {folder}/weights (the run's {folder} model)")
+            model.load_checkpoint(os.path.join(base, "weights"), os.path.join(base, "optimizer") if has_opt else None)
+            model.set_weights_version(int(info["weights_version"]))
     finally:
         if temporary:
             shutil.rmtree(path, ignore_errors=True)
@@ -311,7 +333,7 @@ def checkpoint(ctx: StepContext, trained: DatasetRef, config_hash: str) -> Actio
         info = checkpoint_info(run, step, version, config_hash, trained.get("weights_checksum"))
         out = save_checkpoint(
             run.policy, uri, info, save_optimizer=ctx.cfg.checkpointing.save_optimizer,
-            storage_options=run.storage_options, on_written=lambda: _before_commit(ctx),
+            storage_options=run.storage_options, on_written=lambda: _before_commit(ctx), extra=trained_models(run),
         )
         ctx.emit("checkpoint", "committed")
     return ActionResult("checkpoint", step, version, seconds=out["seconds"], attempts=attempt, uri=uri, info=info)

@@ -76,6 +76,8 @@ class RunActors(Protocol):
     reward_model: PolicyInterface | None
     #: on-policy distillation's teacher (``teacher`` section; ``None`` in other runs)
     teacher: PolicyInterface | None
+    #: PPO's value model (``None`` in other runs); checkpoints hold it beside the policy
+    value: PolicyInterface | None
     #: the multi-turn environment's actors (``env.environment``; ``None`` without one)
     environment: EnvironmentWorkers | None
 
@@ -87,6 +89,9 @@ class RunActors(Protocol):
 
     def start_teacher(self, *, fresh: bool = False) -> None:
         """Attach to the run's teacher or create it (``fresh``: kill it and create it)."""
+
+    def start_value(self, *, fresh: bool = False) -> bool:
+        """Attach to the run's value model or create it (``fresh``: initial weights). True if attached."""
 
 
 @dataclass

@@ -145,14 +145,14 @@ def score(ctx: StepContext, rollouts: DatasetRef) -> DatasetRef:
             logger = _logger()
             for e in errors:
                 logger.warning("step %d reward: %s", ctx.step, e)
-        scaling = ctx.cfg.grpo.reward_scaling
+        scaling = ctx.cfg.reward_keys.reward_scaling
         if scaling.enabled:  # NeMo-RL's order: scaled first, then shaped, then advantages
             rewards = torch.where(valid, scale_rewards(rewards, scaling), rewards)
         n_valid = int(valid.sum())
         if n_valid == 0 and ctx.gen_batch is None:
             check_some_reward_valid(ctx, int(valid.numel()), errors)
         out, shaped = {"rewards": rewards, "reward_valid": valid}, {}
-        shaping = ctx.cfg.grpo.reward_shaping
+        shaping = ctx.cfg.reward_keys.reward_shaping
         if shaping.enabled:
             from nrl_tasks.algorithms.reward_shaping import overlong_penalty
 

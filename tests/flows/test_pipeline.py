@@ -30,7 +30,7 @@ PIPELINE = os.path.join(REPO, "configs", "pipeline_tiny.yaml")
 
 def _pipeline_file(tmp_path, model_dir: str, stages: list[dict]) -> str:
     """A pipeline file next to copies of the tiny configs, on the session's tiny model."""
-    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "rm_tiny.yaml", "distillation_tiny.yaml"):
+    for name in ("sft_tiny.yaml", "dpo_tiny.yaml", "grpo_tiny.yaml", "rm_tiny.yaml", "distillation_tiny.yaml", "ppo_tiny.yaml"):
         with open(os.path.join(REPO, "configs", name), encoding="utf-8") as fh:
             cfg = yaml.safe_load(fh)
         cfg["policy"]["model_name"] = model_dir
@@ -263,3 +263,36 @@ def test_sft_then_distillation_runs_end_to_end(prefect_harness, tiny_model_dir, 
     saved = yaml.safe_load(open(os.path.join(root, "D-distill", "config.yaml"), encoding="utf-8"))
     assert saved["policy"]["model_name"] == os.path.join(state["stages"]["sft"]["final_checkpoint"], "weights")
     assert os.path.isdir(os.path.join(root, "D-distill", "steps", "step_000002", "teacher"))
+
+
+PPO_STAGES = [
+    *RM_STAGES[:2],
+    {"name": "ppo", "config": "ppo_tiny.yaml", "overrides": ["ppo.max_num_steps=2", "ppo.val_period=2",
+                                                              "checkpointing.save_period=2"]},
+    {"name": "eval", "eval": {"num_samples": 1, "max_prompts": 8}},
+]
+
+
+def test_a_reward_model_stage_scores_a_later_ppo_stage(tmp_path, tiny_model_dir):
+    from flows.pipeline import final_weights, load_pipeline, plan_stages
+
+    root = str(tmp_path / "runs")
+    _, _, ppo, _ = plan_stages(load_pipeline(_pipeline_file(tmp_path, tiny_model_dir, PPO_STAGES)), root, "Z")
+    assert ppo["cfg"].kind == "ppo" and ppo["cfg"].policy.model_name == final_weights(root, "Z-sft", 4)
+    assert ppo["cfg"].env.reward_model.enabled and ppo["cfg"].env.reward_model.model_name == final_weights(root, "Z-rm", 4)
+
+
+@pytest.mark.slow  # a whole pipeline: three stage runs and an evaluation
+def test_sft_then_reward_model_then_ppo_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
+    import storage
+
+    root = str(tmp_path / "runs")
+    path = _pipeline_file(tmp_path, tiny_model_dir, PPO_STAGES)
+    proc = run_nrl(["pipeline", "--config", path, "--storage", root, "--run-id", "Y"], prefect_harness, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = _state(root, "Y")
+    assert state["status"] == "completed" and list(state["stages"]) == ["sft", "rm", "ppo", "eval"]
+    assert state["stages"]["eval"]["run_id"] == "Y-ppo"
+    rewards = storage.load_batch(os.path.join(root, "Y-ppo", "steps", "step_000001", "rewards"))["rewards"]
+    assert any(float(r) not in (0.0, 1.0) for r in rewards), rewards  # the reward model's scores
+    assert os.path.isdir(os.path.join(root, "Y-ppo", "checkpoints", "step_000002", "value", "weights"))

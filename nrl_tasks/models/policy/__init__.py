@@ -226,11 +226,13 @@ class SequencePackingConfig(Section):
 
 class RewardModelConfig(Section):
     """NeMo-RL's ``policy.reward_model_cfg``: ``enabled``, the model is an
-    ``AutoModelForSequenceClassification`` used by ``score``. Which model scores a run's rollouts is
-    the run config's ``env.reward_model`` (:class:`nrl_tasks.config.data.RewardModelEnvConfig`)."""
+    ``AutoModelForSequenceClassification`` with one output, used by ``score``. Which model scores a
+    run's rollouts is the run config's ``env.reward_model`` (:class:`nrl_tasks.config.data.RewardModelEnvConfig`).
+    ``reward_model_type``: ``bradley_terry`` (a reward model, ``nrl rm``) or ``regression`` (PPO's
+    value model: the head at every token, ``value`` section)."""
 
     enabled: bool = False
-    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+    reward_model_type: Literal["bradley_terry", "regression"] = "bradley_terry"
 
 
 class PolicyConfig(Section):

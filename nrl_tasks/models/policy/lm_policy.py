@@ -420,6 +420,13 @@ class Policy(PolicyRefitMethods, PolicyLifecycleMethods, PolicyCheckpointMethods
         results = self._get(self.worker_group.run_all_workers_sharded_data("score", shards))
         return BatchedDataDict.from_batches(results)
 
+    def get_values(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"values": [B, S]}`` float32 from a value model's head (PPO; ``reward_model_cfg.enabled``)."""
+        self._check_data(data, "get_values")
+        dp = self.data_parallel_size
+        shards = data.shard_by_batch_size(dp, allow_uneven_shards=data.size % dp != 0)
+        return BatchedDataDict.from_batches(self._get(self.worker_group.run_all_workers_sharded_data("get_values", shards)))
+
     # ------------------------------------------------------------------ training
     def train(
         self,

@@ -66,14 +66,27 @@ def last_token_scores(model: Any, input_ids: torch.Tensor, input_lengths: torch.
     lengths = input_lengths.to(device=input_ids.device, dtype=torch.long)
     if int(lengths.min()) < 1:
         raise ValueError("every row needs input_lengths >= 1")
+    per_token = head_outputs(model, input_ids)
+    return per_token[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1].float()
+
+
+def head_outputs(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: a one-output sequence classifier's head (``model.score``) at every position, from
+    the model's own forward (a hook keeps the head's output before HF pools it)."""
     kept: list[torch.Tensor] = []
     hook = model.score.register_forward_hook(lambda _m, _i, out: kept.append(out))
     try:
         model(input_ids=input_ids, use_cache=False)
     finally:
         hook.remove()
-    per_token = kept[-1]  # [B, S, num_labels]
-    return per_token[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1, 0].float()
+    return kept[-1][..., 0]
+
+
+def token_values(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` float32: PPO's value of the state before each token ``t`` (the head at position
+    ``t - 1``; position 0, which no token leads to, is 0), aligned with the logprobs' convention."""
+    head = head_outputs(model, input_ids).float()
+    return torch.cat([torch.zeros_like(head[:, :1]), head[:, :-1]], dim=1)
 
 
 def padded_forward_logprobs(

@@ -16,7 +16,7 @@ import torch
 from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
 from nrl_tasks.models.generation.hf_sampling import sample_rows
 from nrl_tasks.models.policy.workers.batches import check_inputs
-from nrl_tasks.models.policy.workers.logprobs import last_token_scores
+from nrl_tasks.models.policy.workers.logprobs import last_token_scores, length_mask, token_values
 from nrl_tasks.models.policy.workers.parallel import gathered_weights
 
 __all__ = ["SamplingMixin"]
@@ -61,3 +61,25 @@ class SamplingMixin:
         except ValueError as exc:
             raise ValueError(f"score: {exc}") from None
         return BatchedDataDict({"scores": scores.cpu()})
+
+    @torch.no_grad()
+    def get_values(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
+        """``{"values": [B, S]}`` float32: PPO's value of the state before each token (the head one
+        position back, :func:`token_values`; 0 at position 0 and on padding)."""
+        self._require_ready()
+        if not self.cfg.reward_model_cfg.enabled:
+            raise ValueError("get_values needs a value model (reward_model_cfg.enabled, a one-output head)")
+        self._to_device()
+        check_inputs(data)
+        self.model.eval()
+        batch, width = data["input_ids"].shape
+        out = torch.zeros(batch, width, dtype=torch.float32)
+        mbs = micro_batch_size or self.cfg.effective_logprob_batch_size
+        for start in range(0, batch, mbs):
+            mb = data.slice(start, min(batch, start + mbs))
+            ids = mb["input_ids"].to(self.device)
+            with self._autocast():
+                v = token_values(self.model, ids)
+            keep = length_mask(mb["input_lengths"].to(self.device), width)
+            out[start : start + mb.size] = torch.where(keep, v, 0.0).cpu()
+        return BatchedDataDict({"values": out})

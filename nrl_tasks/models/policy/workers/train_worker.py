@@ -47,6 +47,7 @@ from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
     last_token_scores,
+    token_values,
     length_mask,
     packed_forward_logprobs,
     padded_forward_logprobs,
@@ -418,10 +419,11 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         The checks live in :mod:`~nrl_tasks.models.policy.workers.finite_guard`.
         """
         self._require_valid_weights("train")
-        scores = getattr(loss_fn, "input_type", "logprobs") == "scores"  # e.g. BradleyTerryLossFn: a reward model's
-        if scores != self.cfg.reward_model_cfg.enabled:
-            raise ValueError(f"train: {type(loss_fn).__name__} reads {'scores' if scores else 'token logprobs'}, but this "
-                             f"policy is {'a causal LM' if scores else 'a reward model (reward_model_cfg.enabled)'}")
+        kind = getattr(loss_fn, "input_type", "logprobs")  # BradleyTerryLossFn, ValueLossFn: a one-output head's
+        head = kind in ("scores", "values")
+        if head != self.cfg.reward_model_cfg.enabled:
+            raise ValueError(f"train: {type(loss_fn).__name__} reads {kind}, but this policy is "
+                             f"{'a causal LM' if head else 'a reward or value model (reward_model_cfg.enabled)'}")
         self._to_device()  # back from an offload, if any
         check_inputs(data)
         if not eval_mode and self.optimizer is None:
@@ -490,21 +492,25 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         micro_batches, packed = self._microbatches(gb, mbs)
-        reads_logits = getattr(loss_fn, "input_type", "logprobs") == "logits"
-        if reads_logits and packed:
-            raise ValueError(f"{type(loss_fn).__name__} reads whole logits: packed micro-batches are not built for it")
+        reads = getattr(loss_fn, "input_type", "logprobs")
+        reads_logits = reads == "logits"
+        if reads != "logprobs" and packed:
+            raise ValueError(f"{type(loss_fn).__name__} reads {reads}: packed micro-batches are not built for it")
         total = torch.zeros((), dtype=torch.float64)
         bad_mb: int | None = None  # first micro-batch of this rank whose loss is not finite
         for mb_index, mb in enumerate(micro_batches):
             mb = on_device(mb, self.device)
             with torch.set_grad_enabled(not eval_mode):
-                if self.cfg.reward_model_cfg.enabled:  # the loss reads each row's score (train checked it)
+                if self.cfg.reward_model_cfg.enabled:  # the loss reads each row's score or each token's value
                     with self._autocast():
-                        scores = last_token_scores(self.model, mb["input_ids"], mb["input_lengths"])
-                    loss, metrics = loss_fn(scores, mb, global_valid_seqs, global_valid_toks)
+                        head = (token_values(self.model, mb["input_ids"]) if reads == "values"
+                                else last_token_scores(self.model, mb["input_ids"], mb["input_lengths"]))
+                    loss, metrics = loss_fn(head, mb, global_valid_seqs, global_valid_toks)
                 elif reads_logits:  # e.g. DistillationLossFn: the whole next-token distribution
                     with self._autocast():
-                        logits = forward_logits(self.model, mb["input_ids"]).float() / self.cfg.temperature
+                        logits = forward_logits(self.model, mb["input_ids"]).float()
+                    if self.cfg.temperature != 1.0:
+                        logits = logits / self.cfg.temperature
                     loss, metrics = loss_fn(logits, mb, global_valid_seqs, global_valid_toks)
                 else:
                     lp = self._mb_logprobs(mb, packed)
