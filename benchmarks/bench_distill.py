@@ -67,24 +67,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return res
 
 
+def curve_table(runs: dict[str, dict[str, Any]]) -> list[int]:
+    """Print a markdown table of each run's held-out accuracy at its validated steps (its ``curve``),
+    seconds a step, stage seconds and peak PSS; returns the steps (the columns)."""
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    curve_steps = sorted(next(iter(runs.values()))["curve"])
+    print("| run | " + " | ".join(f"acc @ step {s}" for s in curve_steps) + " | step s | stages s (mean a step) | peak job PSS MB |")
+    print("|---|" + "---:|" * len(curve_steps) + "---:|---|---:|")
+    for name, r in runs.items():
+        step_s = sum(float(x.get("step_s") or 0.0) for x in r["rows"]) / max(len(r["rows"]), 1)
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in stage_seconds(r["rows"]).items())
+        print(f"| {name} | " + " | ".join(fmt(r["curve"].get(s)) for s in curve_steps)
+              + f" | {step_s:.2f} | {stages} | {r['peak_mb']:.0f} |")
+    return curve_steps
+
+
 def report(res: dict[str, Any], steps: int, seed: int) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     t = res["teacher (grpo)"]
     print(f"### distillation vs GRPO, {steps} steps each, seed {seed}; the teacher: GRPO {t['last']} steps, held-out "
           f"accuracy {fmt(t['before'])} -> {fmt(t['after'])}")
-    curve_steps = sorted(res["distill"]["curve"])
-    print("| run | " + " | ".join(f"acc @ step {s}" for s in curve_steps) + " | step s | stages s (mean a step) | peak job PSS MB |")
-    print("|---|" + "---:|" * len(curve_steps) + "---:|---|---:|")
-    for name in ("distill", "grpo"):
-        r = res[name]
-        step_s = sum(float(x.get("step_s") or 0.0) for x in r["rows"]) / max(len(r["rows"]), 1)
-        stages = ", ".join(f"{k} {v:.2f}" for k, v in stage_seconds(r["rows"]).items())
-        print(f"| {name} | " + " | ".join(fmt(r["curve"][s]) for s in curve_steps)
-              + f" | {step_s:.2f} | {stages} | {r['peak_mb']:.0f} |")
+    curve_steps = curve_table({name: res[name] for name in ("distill", "grpo")})
     stages = ", ".join(f"{k} {v:.2f}" for k, v in stage_seconds(t["rows"]).items())
     cells = [f"{fmt(t['before'])} (its step 0)", *[""] * (len(curve_steps) - 2), f"{fmt(t['after'])} (its step {t['last']})"]
     step_s = sum(float(x.get("step_s") or 0.0) for x in t["rows"]) / max(len(t["rows"]), 1)
-    print(f"| teacher (grpo) | " + " | ".join(cells) + f" | {step_s:.2f} | {stages} | {t['peak_mb']:.0f} |")
+    print("| teacher (grpo) | " + " | ".join(cells) + f" | {step_s:.2f} | {stages} | {t['peak_mb']:.0f} |")
     print("(greedy exact-match accuracy on the held-out prompts; both student runs draw the same prompts and samples a step)")
 
 

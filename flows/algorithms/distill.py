@@ -58,7 +58,7 @@ class DistillRecipe(GRPORecipe):
     section = "distillation"
     graph = DISTILL_GRAPH
     actors = Actors(generation=True, environment=True, teacher=True)
-    unread_sections = ("dpo", "sft", "rm")
+    unread_sections = ("dpo", "sft", "rm", "ppo", "value", "value_loss_fn")
     summary = SummaryFields(curve="kl_reverse", curve_label="reverse KL to the teacher", higher_is_better=False)
 
     def budget(self, cfg: MasterConfig) -> int:

@@ -61,7 +61,7 @@ class DPORecipe(SupervisedRecipe):
     kind = "dpo"
     section = "dpo"
     graph = DPO_GRAPH
-    unread_sections = ("grpo", "loss_fn", "sft", "rm")
+    unread_sections = ("grpo", "loss_fn", "sft", "rm", "distillation", "teacher", "ppo", "value", "value_loss_fn")
     summary = SummaryFields(curve="accuracy", curve_label="pair accuracy", eval_metric="val_accuracy",
                             eval_label="held-out pair accuracy")
     train_keys = TRAIN_KEYS

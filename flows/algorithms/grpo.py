@@ -83,7 +83,7 @@ class GRPORecipe:
     graph = GRPO_GRAPH
     actors = Actors(generation=True, reward_model=True, environment=True)
     product = "policy"
-    unread_sections = ("dpo", "sft", "rm")
+    unread_sections = ("dpo", "sft", "rm", "distillation", "teacher", "ppo", "value", "value_loss_fn")
     summary = GRPO_FIELDS
 
     def budget(self, cfg: MasterConfig) -> int:

@@ -56,7 +56,7 @@ class PPORecipe(GRPORecipe):
     section = "ppo"
     graph = PPO_GRAPH
     actors = Actors(generation=True, reward_model=True, environment=True, value=True)
-    unread_sections = ("dpo", "sft", "rm")
+    unread_sections = ("dpo", "sft", "rm", "distillation", "teacher")
 
     def budget(self, cfg: MasterConfig) -> int:
         p = cfg.ppo

@@ -48,7 +48,7 @@ class RMRecipe(DPORecipe):
     section = "rm"
     product = "reward_model"
     graph = RM_GRAPH
-    unread_sections = ("grpo", "loss_fn", "sft", "dpo")
+    unread_sections = ("grpo", "loss_fn", "sft", "dpo", "distillation", "teacher", "ppo", "value", "value_loss_fn")
     summary = SummaryFields(curve="accuracy", curve_label="pair accuracy", eval_metric="val_accuracy",
                             eval_label="held-out pair accuracy")
     train_keys = (*RM_TRAIN_KEYS, "train_seconds")

@@ -49,7 +49,7 @@ class SFTRecipe(SupervisedRecipe):
     kind = "sft"
     section = "sft"
     graph = SFT_GRAPH
-    unread_sections = ("loss_fn", "dpo", "rm")
+    unread_sections = ("loss_fn", "dpo", "rm", "distillation", "teacher", "ppo", "value", "value_loss_fn")
     summary = SummaryFields(curve="loss", curve_label="loss", eval_metric="val_loss", eval_label="held-out loss",
                             higher_is_better=False)
     train_keys = TRAIN_KEYS

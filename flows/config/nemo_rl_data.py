@@ -31,6 +31,7 @@ from __future__ import annotations
 import string
 from typing import Any, Mapping
 
+from nrl_tasks.config.master import ALGORITHM_SECTIONS
 from nrl_tasks.environments.math_verify import MATH_REWARD_FN
 
 __all__ = ["KEY_FATES", "map_datasets"]
@@ -184,7 +185,7 @@ def map_datasets(data: dict[str, Any], env_reward_fn: Any, errors: list[str]) ->
         section.update(dataset="file", train_path=ours.pop("path"), **ours)
         mapped.append(("data.train", f"data.dataset=file, data.train_path, {', '.join(f'data.{k}' for k in ours)}"))
     if val is None and not section.get("split_validation_size"):  # NeMo-RL validates nothing without a validation set
-        for algo in ("grpo", "dpo", "sft", "rm"):
+        for algo in ("grpo", *ALGORITHM_SECTIONS):
             if isinstance(data.get(algo), dict) and any(data[algo].get(k) for k in ("val_period", "val_at_start", "val_at_end")):
                 data[algo].update(val_period=0, val_at_start=False, val_at_end=False)
                 mapped.append(("data.validation", f"null: no validation, as NeMo-RL skips it without a validation set "

@@ -16,6 +16,7 @@ import re
 from typing import Any, Iterable
 
 from flows.config.io import ConfigError, YAMLSyntaxError, parse_yaml
+from nrl_tasks.config.master import section_of
 
 __all__ = ["apply_overrides", "check_overrides_apply", "parse_override", "parse_value"]
 
@@ -94,5 +95,5 @@ def check_overrides_apply(overrides: Iterable[str], kind: str, unread: Iterable[
         sections = ", ".join(f"`{s}`" for s in unread)
         raise ValueError(
             f"override{'s' if len(bad) > 1 else ''} {', '.join(bad)} {'do' if len(bad) > 1 else 'does'} not apply to a "
-            f"{kind.upper()} run (it never reads {sections}; its length is {kind}.max_num_steps)"
+            f"{kind.upper()} run (it never reads {sections}; its length is {section_of(kind)}.max_num_steps)"
         )

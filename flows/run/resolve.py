@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from flows.config import ConfigError, MasterConfig, load_config
 from flows.config.overrides import check_overrides_apply
 from flows.run.state import check_storage_root, saved_config_data
-from nrl_tasks.config.master import ALGORITHM_SECTIONS, config_kind
+from nrl_tasks.config.master import ALGORITHM_SECTIONS, config_kind, section_of
 from nrl_tasks.run_layout import RunLayout, validate_run_id
 
 __all__ = ["RunKind", "check_run_kind", "new_run_id", "resolve_config"]
@@ -45,11 +45,11 @@ def check_run_kind(cfg: MasterConfig, kind: str, source: str) -> None:
     have = cfg.kind
     if have == kind:
         return
-    if have in ALGORITHM_SECTIONS:
-        raise ConfigError(f"{source}: has a `{have}` section: a {have.upper()} config (use `nrl {have}`; `nrl {kind}` would "
-                          "ignore it)")
-    if kind in ALGORITHM_SECTIONS:
-        raise ConfigError(f"{source}: no `{kind}` section (a {have.upper()} config: use `nrl {have}`)")
+    if section_of(have) in ALGORITHM_SECTIONS:
+        raise ConfigError(f"{source}: has a `{section_of(have)}` section: a {have.upper()} config (use `nrl {have}`; "
+                          f"`nrl {kind}` would ignore it)")
+    if section_of(kind) in ALGORITHM_SECTIONS:
+        raise ConfigError(f"{source}: no `{section_of(kind)}` section (a {have.upper()} config: use `nrl {have}`)")
     raise ConfigError(f"{source}: a config of algorithm {have!r}, not {kind!r}")
 
 

@@ -149,8 +149,9 @@ def _ppo_errors(cfg: "MasterConfig") -> list[str]:
     if cfg.cluster.policy_workers != 1:
         errs.append(f"ppo with cluster.policy_workers = {cfg.cluster.policy_workers}: the value model's data-parallel "
                     "training is not built yet (use 1)")
-    if cfg.policy.sequence_packing.enabled or cfg.value_config().sequence_packing.enabled:
-        errs.append("ppo: sequence_packing is not built for the value model's per-token head (dynamic batching works)")
+    if cfg.value is not None and cfg.value.sequence_packing.enabled:
+        errs.append("value.sequence_packing.enabled: packing is not built for the value model's per-token head "
+                    "(dynamic batching works; the policy may pack)")
     if cfg.policy.reward_model_cfg.enabled or (cfg.value is not None and cfg.value.reward_model_cfg.enabled
                                                and cfg.value.reward_model_cfg.reward_model_type != "regression"):
         errs.append("ppo: the policy is a causal LM and the value model a regression head (value.reward_model_cfg."

@@ -2,7 +2,7 @@
 
 The hash covers everything that changes the numbers a run produces; it leaves out where things
 run and are written (``cluster.ray``, ``storage``), how they are shown (``logger``), the length
-of the run (``grpo.max_num_steps``, ``dpo.max_num_steps``), retry settings and the checkpoint
+of the run (``grpo.max_num_steps``, ``dpo.max_num_steps``, ...), retry settings and the checkpoint
 cadence/retention; sections and keys added after runs existed count only when used, so older
 runs keep their hashes. Resuming with a different hash is refused. Writing and reading the saved
 ``config.yaml`` (which starts with the hash) is the loader's job (:mod:`flows.config`).
@@ -34,6 +34,8 @@ _HASH_EXCLUDE: dict[str, Any] = {
     "dpo": {"max_num_steps", "max_num_epochs"},  # like grpo.max_num_steps: a finished DPO run can be extended
     "sft": {"max_num_steps", "max_num_epochs"},
     "rm": {"max_num_steps", "max_num_epochs"},
+    "distillation": {"max_num_steps", "max_num_epochs"},
+    "ppo": {"max_num_steps", "max_num_epochs"},
     "env": {"num_workers", "step_timeout_s"},  # how many actors run the environment and how long it may take, not what it answers
 }
 
@@ -80,9 +82,11 @@ def hashed_data(cfg: MasterConfig) -> dict[str, Any]:
             data[section].pop(key)
     if not cfg.policy.dtensor_cfg.lora_cfg.enabled:  # a full-weights run hashes as before LoRA existed
         data["policy"]["dtensor_cfg"].pop("lora_cfg", None)
-    for section in ("dpo", "sft", "rm", "algorithm"):  # a GRPO run hashes as before these existed
-        if data.get(section) is None:
+    for section in ("dpo", "sft", "rm", "distillation", "teacher", "ppo", "value", "algorithm"):  # a GRPO run hashes
+        if data.get(section) is None:                                                           # as before these existed
             data.pop(section, None)
+    if cfg.ppo is None:  # read by PPO runs only
+        data.pop("value_loss_fn", None)
     if not cfg.warm_start.sft_steps:  # likewise a run without a warm start
         data.pop("warm_start", None)
     data["generation"] = cfg.gen.model_dump(mode="json") if cfg.has_generation else None

@@ -107,7 +107,7 @@ class MasterConfig(Section):
     value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
     algorithm: str | None = Field(
         None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$",
-        description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft, rm) or module:attribute "
+        description="the run's algorithm (not a NeMo-RL key): a registered kind (grpo, dpo, sft, rm, distill, ppo) or module:attribute "
         "of a recipe; default: the algorithm whose section the config has (grpo without one)",
     )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
@@ -160,10 +160,13 @@ class MasterConfig(Section):
         return self.ppo or self.grpo
 
     def value_config(self) -> PolicyConfig:
-        """PPO's value model as its workers run it: the ``value`` section (default: the policy's),
-        a one-output head (``reward_model_cfg``), built-in model names resolved."""
+        """PPO's value model as its workers run it: the ``value`` section (default: the policy's,
+        without sequence packing, which the per-token head has not), a one-output head
+        (``reward_model_cfg``), built-in model names resolved."""
         base = self.value if self.value is not None else self.policy
         data = base.model_dump(mode="json")
+        if self.value is None:
+            data["sequence_packing"] = {**data["sequence_packing"], "enabled": False}
         data.update(model_name=resolve_model_path(base.model_name), generation=None,
                     reward_model_cfg={"enabled": True, "reward_model_type": "regression"})
         if base.tokenizer.name:

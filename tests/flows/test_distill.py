@@ -153,3 +153,45 @@ def test_a_multi_turn_environment_distils_whole_episodes(tmp_path, prefect_harne
         assert int(r["num_turns"].max()) >= 2 and tuple(teacher["topk_indices"].shape[:2]) == tuple(r["input_ids"].shape)
         assert 0 < float(r["token_mask"].sum()) < float((r["input_ids"] != 0).sum())  # observations are not trained on
         assert storage.read_manifest(os.path.join(d, "train")).meta["loss"] > 0
+
+
+class _KillTeacherOnce:
+    """A stage observer (``NRL_PLUGINS``) that kills the teacher's actors right before step 2's
+    ``teacher_topk`` calls them, once per process."""
+
+    fired = False
+
+    def on_stage(self, ctx, stage, point):
+        pass
+
+    def on_actor_call(self, ctx, stage, role, workers):
+        import ray
+
+        if role == "teacher" and ctx.step == 2 and not _KillTeacherOnce.fired:
+            _KillTeacherOnce.fired = True
+            for w in workers:
+                ray.kill(w, no_restart=True)
+
+
+def teacher_killer() -> _KillTeacherOnce:
+    return _KillTeacherOnce()
+
+
+@pytest.mark.slow  # a second distillation run, with a fault
+def test_a_teacher_killed_mid_call_is_made_again_and_the_run_ends_as_the_uninterrupted_one(
+        distill_run, tmp_path, monkeypatch, tiny_model_dir, ray_session):
+    import storage
+    from flows.algorithms.distill import distill
+
+    monkeypatch.setenv("NRL_PLUGINS", os.environ.get("NRL_PLUGINS", "") + ",tests.flows.test_distill:teacher_killer")
+    root = str(tmp_path / "runs")
+    try:
+        distill(config=_config(tiny_model_dir, root, ray_session, **{"distillation.max_num_steps": 2}), run_id="d-fault")
+    finally:
+        kill_run_actors("d-fault")
+    assert _KillTeacherOnce.fired
+    ref = distill_run["root"]
+    for s in (1, 2):
+        assert storage.load_batch(os.path.join(_step_dir(root, "d-fault", s), "teacher"))["topk_logits"].equal(
+            storage.load_batch(os.path.join(_step_dir(ref, RUN_ID, s), "teacher"))["topk_logits"])
+    assert [train_checksum(root, "d-fault", s) for s in (1, 2)] == [train_checksum(ref, RUN_ID, s) for s in (1, 2)]

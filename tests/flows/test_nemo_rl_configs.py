@@ -39,13 +39,13 @@ BY_KIND = {
              "policy.generation.vllm_cfg.max_model_len=64"],
     "dpo": ["dpo.max_num_steps=2"],
     # ppo_math_1B.yaml: its DAPO verifier is NeMo-RL's other math_verify_impl; vLLM colocated needs a GPU
-    "ppo": ["ppo.max_num_steps=2", "ppo.num_prompts_per_step=4", "ppo.num_generations_per_prompt=4", "ppo.val_period=0",
-            "ppo.val_at_start=false", "ppo.ppo_epochs=2", "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
+    "ppo": ["ppo.max_num_steps=2", "ppo.num_prompts_per_step=4", "ppo.num_generations_per_prompt=4",
+            "ppo.ppo_epochs=2", "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
             "policy.generation.vllm_cfg.max_model_len=64", "env.math.math_verify_impl=hf_math_verify",
             "value.max_total_sequence_length=64", "value.train_global_batch_size=16", "value.train_micro_batch_size=8",
             "logger.wandb.name=ppo", "logger.swanlab.name=ppo", "logger.tensorboard.log_dir=tb"],
     # distillation_math.yaml: the student samples colocated (its file's choice); the teacher is a tiny Llama too
-    "distillation": ["distillation.max_num_steps=2", "distillation.val_period=0", "distillation.num_prompts_per_step=4",
+    "distillation": ["distillation.max_num_steps=2", "distillation.num_prompts_per_step=4",
                      "distillation.num_generations_per_prompt=4", "distillation.topk_logits_k=16",
                      "policy.generation.backend=hf", "policy.generation.max_new_tokens=8",
                      "policy.generation.vllm_cfg.max_model_len=64", "policy.dtensor_cfg.tensor_parallel_size=1",

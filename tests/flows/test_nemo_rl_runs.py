@@ -1,4 +1,4 @@
-"""NeMo-RL's own GRPO, DPO, SFT, RM and distillation files run 2 steps on the tiny model on CPU with only NeMo-RL's
+"""NeMo-RL's own GRPO, DPO, SFT, RM, distillation and PPO files run 2 steps on the tiny model on CPU with only NeMo-RL's
 key paths as overrides: the model, local data in NeMo-RL's dataset keys, the step count and the
 cluster size (issue 42, must-show 1), each through `nrl train` in a process of its own; three of
 NeMo-RL's recipe files (``defaults:`` chains on those: a two-level GRPO chain, DPO, SFT with LoRA)
@@ -21,7 +21,8 @@ RECIPES = ["recipes/llm/grpo-deepscaler-1.5b-1n4g-8K.yaml", "recipes/llm/dpo-lla
            "recipes/llm/sft-llama3.1-8b-1n8g-fsdp2tp1-lora.yaml"]
 
 
-@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "dpo.yaml", "sft.yaml", "rm.yaml", "distillation_math.yaml", *RECIPES])
+@pytest.mark.parametrize("name", ["grpo_math_1B.yaml", "dpo.yaml", "sft.yaml", "rm.yaml", "distillation_math.yaml", "ppo_math_1B.yaml",
+                                  *RECIPES])
 def test_nemo_rls_file_trains_two_steps_with_only_its_own_key_paths(name, prefect_harness, tmp_path):
     kind = _kind(name)
     overrides = [o for o in COMMON if not o.startswith(("data.train=", "data.validation=", "data.default="))]

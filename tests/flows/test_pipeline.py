@@ -9,7 +9,10 @@
   and the final GRPO checkpoint is bit-identical to the uninterrupted pipeline's (slow);
 - a gate that is not met stops the pipeline before the next stage (exit 3, the flow run in a
   state named ``Gated`` with the message, the summary saying which gate held), and ``nrl resume``
-  with a changed gate goes on from there (slow).
+  with a changed gate goes on from there (slow);
+- a reward-model stage scores the later GRPO or PPO stages (``sft -> rm -> ppo`` end to end, slow),
+  a distillation stage trains the last stage's weights against its own teacher (``sft -> distill``,
+  slow).
 """
 
 from __future__ import annotations
@@ -216,24 +219,6 @@ def test_a_reward_model_stage_scores_the_later_stages_and_the_policy_chain_skips
     assert not sft["cfg"].env.reward_model.enabled and not os.path.exists(os.path.join(root, "P"))
 
 
-@pytest.mark.slow  # a whole pipeline: three stage runs and an evaluation
-def test_sft_then_reward_model_then_grpo_scored_by_it_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
-    import storage
-
-    root = str(tmp_path / "runs")
-    path = _pipeline_file(tmp_path, tiny_model_dir, RM_STAGES)
-    proc = run_nrl(["pipeline", "--config", path, "--storage", root, "--run-id", "R"], prefect_harness, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    state = _state(root, "R")
-    assert state["status"] == "completed" and list(state["stages"]) == ["sft", "rm", "grpo", "eval"]
-    assert state["stages"]["eval"]["run_id"] == "R-grpo"  # the last policy stage, not the reward model
-    assert 0.0 <= state["stages"]["eval"]["figures"]["accuracy"] <= 1.0  # the task's exact match, not the RM's score
-    saved = yaml.safe_load(open(os.path.join(root, "R-grpo", "config.yaml"), encoding="utf-8"))
-    assert saved["env"]["reward_model"]["model_name"] == os.path.join(state["stages"]["rm"]["final_checkpoint"], "weights")
-    rewards = storage.load_batch(os.path.join(root, "R-grpo", "steps", "step_000001", "rewards"))["rewards"]
-    assert any(float(r) not in (0.0, 1.0) for r in rewards), rewards  # the reward model's scores
-
-
 DISTILL_STAGES = [
     {"name": "sft", "config": "sft_tiny.yaml", "overrides": ["sft.max_num_steps=2", "checkpointing.save_period=2"]},
     {"name": "distill", "config": "distillation_tiny.yaml",
@@ -283,7 +268,8 @@ def test_a_reward_model_stage_scores_a_later_ppo_stage(tmp_path, tiny_model_dir)
 
 
 @pytest.mark.slow  # a whole pipeline: three stage runs and an evaluation
-def test_sft_then_reward_model_then_ppo_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
+def test_sft_then_reward_model_then_ppo_scored_by_it_runs_end_to_end(prefect_harness, tiny_model_dir, tmp_path):
+    """(It stands for sft -> rm -> grpo too, whose plan is checked above: the stages score alike.)"""
     import storage
 
     root = str(tmp_path / "runs")
@@ -292,7 +278,10 @@ def test_sft_then_reward_model_then_ppo_runs_end_to_end(prefect_harness, tiny_mo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = _state(root, "Y")
     assert state["status"] == "completed" and list(state["stages"]) == ["sft", "rm", "ppo", "eval"]
-    assert state["stages"]["eval"]["run_id"] == "Y-ppo"
+    assert state["stages"]["eval"]["run_id"] == "Y-ppo"  # the last policy stage, not the reward model
+    assert 0.0 <= state["stages"]["eval"]["figures"]["accuracy"] <= 1.0  # the task's exact match, not the RM's score
+    saved = yaml.safe_load(open(os.path.join(root, "Y-ppo", "config.yaml"), encoding="utf-8"))
+    assert saved["env"]["reward_model"]["model_name"] == os.path.join(state["stages"]["rm"]["final_checkpoint"], "weights")
     rewards = storage.load_batch(os.path.join(root, "Y-ppo", "steps", "step_000001", "rewards"))["rewards"]
     assert any(float(r) not in (0.0, 1.0) for r in rewards), rewards  # the reward model's scores
     assert os.path.isdir(os.path.join(root, "Y-ppo", "checkpoints", "step_000002", "value", "weights"))

@@ -127,3 +127,44 @@ def test_configs_ppo_cannot_honour_are_refused_naming_the_keys(overrides, messag
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config(CONFIG, overrides)
+
+
+class _KillValueOnce:
+    """A stage observer (``NRL_PLUGINS``) that kills the value model's actors right before step 3's
+    ``values`` calls them, once per process."""
+
+    fired = False
+
+    def on_stage(self, ctx, stage, point):
+        pass
+
+    def on_actor_call(self, ctx, stage, role, workers):
+        import ray
+
+        if role == "value" and ctx.step == 3 and not _KillValueOnce.fired:
+            _KillValueOnce.fired = True
+            for w in workers:
+                ray.kill(w, no_restart=True)
+
+
+def value_killer() -> _KillValueOnce:
+    return _KillValueOnce()
+
+
+@pytest.mark.slow  # a second PPO run, with a fault
+def test_a_value_model_killed_mid_run_is_restored_with_the_policy_and_the_run_ends_as_the_uninterrupted_one(
+        ppo_run, tmp_path, monkeypatch, tiny_model_dir, ray_session):
+    from flows.algorithms.ppo import ppo
+
+    monkeypatch.setenv("NRL_PLUGINS", os.environ.get("NRL_PLUGINS", "") + ",tests.flows.test_ppo:value_killer")
+    root = str(tmp_path / "runs")
+    try:
+        ppo(config=_config(tiny_model_dir, root, ray_session), run_id="ppo-fault")
+    finally:
+        kill_run_actors("ppo-fault")
+    assert _KillValueOnce.fired
+    ref = ppo_run["root"]
+    assert _meta(root, "ppo-fault", 3, "values")["attempts"] >= 2  # the stage ran again after the recovery
+    assert [train_checksum(root, "ppo-fault", s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
+    assert [_meta(root, "ppo-fault", s, "train")["value_weights_checksum"] for s in STEPS] == \
+        [_meta(ref, RUN_ID, s, "train")["value_weights_checksum"] for s in STEPS]

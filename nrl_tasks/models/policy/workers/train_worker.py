@@ -48,7 +48,6 @@ from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
     last_token_scores,
     token_values,
-    length_mask,
     packed_forward_logprobs,
     padded_forward_logprobs,
 )
@@ -363,33 +362,6 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         finally:
             for n, t in live.items():
                 t.data = saved[n]
-
-    @torch.no_grad()
-    def get_topk_logits(self, data: BatchedDataDict, k: int, micro_batch_size: int | None = None) -> BatchedDataDict:
-        """``topk_logits [B, S, k]`` (float32, divided by temperature) and ``topk_indices [B, S, k]``.
-
-        Position ``t`` holds the top-k of the distribution predicting token ``t + 1``; padding 0.
-        """
-        self._require_valid_weights("get_topk_logits")
-        self._check_causal_lm("get_topk_logits")
-        self._to_device()  # back from an offload, if any
-        check_inputs(data)
-        batch, width = data["input_ids"].shape
-        values = torch.zeros(batch, width, k, dtype=torch.float32)
-        indices = torch.zeros(batch, width, k, dtype=torch.long)
-        self.model.eval()
-        mbs = micro_batch_size or self.cfg.effective_logprob_batch_size
-        self._dummy_forwards(len(range(0, batch, mbs)), backward=False)  # ahead of this rank's own: same count
-        for start in range(0, batch, mbs):
-            mb = data.slice(start, min(batch, start + mbs))
-            ids = mb["input_ids"].to(self.device)
-            with self._autocast():
-                logits = forward_logits(self.model, ids).float() / self.cfg.temperature
-            top = logits.topk(k, dim=-1)
-            keep = length_mask(mb["input_lengths"].to(self.device), ids.shape[1]).unsqueeze(-1)
-            values[start : start + mb.size] = torch.where(keep, top.values, 0.0).cpu()
-            indices[start : start + mb.size] = torch.where(keep, top.indices, 0).cpu()
-        return BatchedDataDict({"topk_logits": values, "topk_indices": indices})
 
     def _check_causal_lm(self, what: str) -> None:
         if self.cfg.reward_model_cfg.enabled:
