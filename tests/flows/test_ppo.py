@@ -164,7 +164,10 @@ def test_a_value_model_killed_mid_run_is_restored_with_the_policy_and_the_run_en
         kill_run_actors("ppo-fault")
     assert _KillValueOnce.fired
     ref = ppo_run["root"]
-    assert _meta(root, "ppo-fault", 3, "values")["attempts"] >= 2  # the stage ran again after the recovery
+    from flows.observe.metrics import read_metrics
+
+    assert _meta(root, "ppo-fault", 3, "values")["recovered"] is True  # committed after the run's recovery
+    assert read_metrics(os.path.join(root, "ppo-fault", "metrics.jsonl"))[2]["values_attempts"] >= 2
     assert [train_checksum(root, "ppo-fault", s) for s in STEPS] == [train_checksum(ref, RUN_ID, s) for s in STEPS]
     assert [_meta(root, "ppo-fault", s, "train")["value_weights_checksum"] for s in STEPS] == \
         [_meta(ref, RUN_ID, s, "train")["value_weights_checksum"] for s in STEPS]
