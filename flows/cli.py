@@ -6,6 +6,8 @@
     nrl dpo --config configs/dpo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl sft --config configs/sft_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
     nrl rm --config configs/rm_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]     (a reward model)
+    nrl distill --config configs/distillation_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]
+    nrl ppo --config configs/ppo_tiny.yaml [key=value ...] [--storage URI] [--run-id ID]   (a value model, GAE)
     nrl train --config FILE [key=value ...]       (the config's algorithm: its `algorithm` key or section)
     nrl pipeline --config configs/pipeline_tiny.yaml [--storage URI] [--run-id ID]   (sft -> dpo -> grpo -> eval)
     nrl resume RUN_ID [--storage URI] [--recompute STAGE@STEP ...] [--take-over] [--fresh-optimizer] [key=value ...]
@@ -104,7 +106,7 @@ def _start_command(recipe: Recipe) -> Any:
         return _start(recipe, config, list(overrides), storage, run_id)
 
     name = recipe.kind.upper()
-    start.__doc__ = f"""Start {'an' if name[0] in 'AEFHILMNORSX' else 'a'} {name} run (a config with its `{recipe.section}` settings, e.g. configs/{recipe.kind}_tiny.yaml).
+    start.__doc__ = f"""Start {'an' if name[0] in 'AEFHILMNORSX' else 'a'} {name} run (a config with its `{recipe.section}` settings, e.g. configs/{recipe.section}_tiny.yaml).
 
         Args:
             overrides: dotted config overrides (e.g. {recipe.section}.max_num_steps=20)

@@ -46,7 +46,7 @@ from nrl_tasks.config.errors import ConfigError
 from nrl_tasks.config.grpo import GRPOConfig, RefitConfig
 from nrl_tasks.config.hash import changed_keys, config_hash, hashed_data
 from nrl_tasks.config.logger import LoggerConfig, MLflowConfig, WandbConfig
-from nrl_tasks.config.master import MasterConfig
+from nrl_tasks.config.master import LOSS_TAGS, MasterConfig
 
 __all__ = [
     "CheckpointingConfig",
@@ -88,7 +88,10 @@ def _validation_lines(exc: ValidationError, skip: dict[str, str]) -> list[str]:
     list whose item is there: ``betas: must lie in [0, 1)`` after ``betas.1: must be finite``)."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+        parts = [str(p) for p in err.get("loc", ()) if p != "__root__"]
+        if parts[:1] == ["loss_fn"] and parts[1:2] and parts[1] in LOSS_TAGS:  # which loss_fn: not a key of the file
+            del parts[1]
+        loc = ".".join(parts)
         inp = err.get("input")
         if loc in skip or (
             isinstance(inp, (list, tuple)) and any(f"{loc}.{i}" in skip for i in range(len(inp)))

@@ -26,7 +26,7 @@ from nrl_tasks.models.builtin import resolve_model_path
 from nrl_tasks.models.generation.interfaces import GenerationConfig
 from nrl_tasks.models.policy import PolicyConfig
 
-__all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "MasterConfig", "SECTION_KINDS", "config_kind", "section_of"]
+__all__ = ["ALGORITHM_SECTIONS", "DEFAULT_KIND", "LOSS_TAGS", "MasterConfig", "SECTION_KINDS", "config_kind", "section_of"]
 
 #: sections that make a config a run of their algorithm
 ALGORITHM_SECTIONS: tuple[str, ...] = ("dpo", "sft", "rm", "distillation", "ppo")
@@ -64,6 +64,10 @@ def section_of(kind: str) -> str:
     ('distillation', 'dpo')
     """
     return next((s for s, k in SECTION_KINDS.items() if k == kind), kind)
+
+
+#: the two forms of ``loss_fn`` (pydantic names them in an error's location: ``loss_fn.<tag>.<key>``)
+LOSS_TAGS = ("clipped_pg", "distillation")
 
 
 def _loss_tag(value: Any) -> str:

@@ -44,6 +44,7 @@ from nrl_tasks.models.policy.workers.batches import check_inputs, on_device, to_
 from nrl_tasks.models.policy.workers.checkpoint_mixin import CheckpointMixin
 from nrl_tasks.models.policy.workers.finite_guard import StepGuard, refuse_invalid_weights
 from nrl_tasks.models.policy.workers.lifecycle import LifecycleMixin
+from nrl_tasks.models.policy.workers.logprob_mixin import LogprobMixin
 from nrl_tasks.models.policy.workers.logprobs import (
     forward_logits,
     last_token_scores,
@@ -89,7 +90,7 @@ def _rank_from_env() -> tuple[int, int]:
     return env.rank, 1 if env.world_size is None else env.world_size
 
 
-class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
+class PolicyWorker(LogprobMixin, SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
     """One DP rank. Methods are called through Ray by ``Policy``; see the module docstring."""
 
     def __init__(
@@ -287,29 +288,6 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
             return list(data.make_microbatch_iterator_for_packable_sequences()), True
         return [data.slice(i, min(i + mbs, data.size)) for i in range(0, data.size, mbs)], False
 
-    @torch.no_grad()
-    def get_logprobs(self, data: BatchedDataDict, micro_batch_size: int | None = None) -> BatchedDataDict:
-        """``{"logprobs": [B, S]}`` float32 on CPU for this shard (NeMo-RL layout)."""
-        self._require_valid_weights("get_logprobs")
-        self._check_causal_lm("get_logprobs")
-        self._to_device()  # back from an offload, if any
-        check_inputs(data)
-        width = data["input_ids"].shape[1]
-        self.model.eval()
-        mbs, packed = [], False
-        if data.size:
-            mbs, packed = self._microbatches(data, micro_batch_size or self.cfg.effective_logprob_batch_size)
-        rows = []
-        for mb in mbs:
-            lp = self._mb_logprobs(mb, packed).cpu()
-            if lp.shape[1] < width:
-                lp = torch.nn.functional.pad(lp, (0, width - lp.shape[1]))
-            rows.append(lp)
-        self._dummy_forwards(len(mbs), backward=False)
-        if not rows:
-            return BatchedDataDict({"logprobs": torch.zeros(0, width, dtype=torch.float32)})
-        return BatchedDataDict({"logprobs": torch.cat(rows)})
-
     def _dummy_forwards(self, done: int, *, backward: bool) -> int:
         """Run zero-weighted forwards (and backwards) until this rank has run as many as the rank
         with the most (a wrapped model's forward is a collective). Returns how many ran."""
@@ -322,46 +300,6 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
             if backward:
                 (lp.sum() * 0.0).backward()
         return extra
-
-    def get_reference_policy_logprobs(
-        self, data: BatchedDataDict, micro_batch_size: int | None = None
-    ) -> BatchedDataDict:
-        """``{"reference_logprobs": [B, S]}``: logprobs under the initial weights (with LoRA: the
-        base model, adapters disabled)."""
-        self._require_ready()
-        if self.reference is None and not (self.cfg.lora is not None and self.init_reference_model):
-            raise ValueError("this policy was created with init_reference_model=False: no reference weights")
-        with self._use_reference():
-            out = self.get_logprobs(data, micro_batch_size)
-        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
-
-    @contextlib.contextmanager
-    def _use_reference(self):
-        if self.cfg.lora is not None:
-            with self.model.disable_adapter():
-                yield
-            return
-        live = self._swappable()
-        if self.layout.wrapped:
-            # FSDP2 gathers layers from its own shard storage: copy the reference values in and back
-            with torch.no_grad():
-                saved = {n: local_tensor(t).detach().clone() for n, t in live.items()}
-                try:
-                    for n, t in live.items():
-                        local_tensor(t).copy_(self.reference[n])
-                    yield
-                finally:
-                    for n, t in live.items():
-                        local_tensor(t).copy_(saved[n])
-            return
-        saved = {n: t.data for n, t in live.items()}
-        try:
-            for n, t in live.items():
-                t.data = self.reference[n].to(t.device) if t.device.type != "cpu" else self.reference[n]
-            yield
-        finally:
-            for n, t in live.items():
-                t.data = saved[n]
 
     def _check_causal_lm(self, what: str) -> None:
         if self.cfg.reward_model_cfg.enabled:
@@ -394,8 +332,8 @@ class PolicyWorker(SamplingMixin, RefitMixin, CheckpointMixin, LifecycleMixin):
         kind = getattr(loss_fn, "input_type", "logprobs")  # BradleyTerryLossFn, ValueLossFn: a one-output head's
         head = kind in ("scores", "values")
         if head != self.cfg.reward_model_cfg.enabled:
-            raise ValueError(f"train: {type(loss_fn).__name__} reads {kind}, but this policy is "
-                             f"{'a causal LM' if head else 'a reward or value model (reward_model_cfg.enabled)'}")
+            raise ValueError(f"train: {type(loss_fn).__name__} reads {'token logprobs' if kind == 'logprobs' else kind}, but "
+                             f"this policy is {'a causal LM' if head else 'a reward model (reward_model_cfg.enabled: a head)'}")
         self._to_device()  # back from an offload, if any
         check_inputs(data)
         if not eval_mode and self.optimizer is None:
