@@ -7,7 +7,8 @@ on TRL, and TRL does not see the project). ``SPEC.json`` (written by ``bench_vs_
 local model folder, the seed, the budget and the prompts: ``train`` in the order this project's run
 uses them (8 per step, so TRL's sampler runs with ``shuffle_dataset=False`` and sees the same
 prompts at the same step) and ``val`` (the held-out prompts), each with this project's token ids
-of the chat-templated prompt, which are checked against TRL's own tokenisation first.
+of the chat-templated prompt (``chat``, default true) or of the plain text, which are checked against
+TRL's own tokenisation first.
 
 Settings: TRL 1.16's GRPO defaults (``loss_type="dapo"``, ``scale_rewards="group"``, ``beta=0``,
 ``epsilon=0.2``, ``num_iterations=1``, ``top_k=0``) with the budget of the spec, and three changes
@@ -16,7 +17,8 @@ both to True; the other side trains in float32 without activation checkpointing)
 ``lr_scheduler_type="constant"`` (transformers' default is linear decay). ``optim="adamw_torch"``
 (``torch.optim.AdamW``), weight decay 0, grad-norm clip 1.0.
 
-Measured: greedy accuracy on ``val`` before and after (HF ``generate``, ``do_sample=False``), the
+Measured: greedy accuracy on ``val`` before, after and every ``val_every`` steps (HF ``generate``,
+``do_sample=False``; outside the step times, as ``curve`` with the training seconds so far), the
 training reward per step (TRL's logged ``reward``), each step's wall time (a ``TrainerCallback``)
 and the time spent in ``model.generate`` inside it (a timing wrapper on the model instance), the
 completion tokens of each step (``completion_ids`` handed to the reward function) and the
@@ -50,14 +52,23 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def check_token_ids(tokenizer: Any, rows: list[dict[str, Any]]) -> int:
-    """How many prompts TRL tokenises differently from the other side (``rows[i]["ids"]``)."""
+def check_token_ids(tokenizer: Any, rows: list[dict[str, Any]], chat: bool) -> int:
+    """How many prompts TRL tokenises differently from the other side (``rows[i]["ids"]``): a chat
+    prompt through the chat template, a plain one as TRL's trainer does (``processing_class(text=...)``)."""
     bad = 0
     for r in rows:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(text=[r["text"]])["input_ids"][0]
         bad += int(list(ids) != list(r["ids"]))
     return bad
+
+
+def trl_prompt(row: dict[str, Any], chat: bool) -> Any:
+    """The dataset's ``prompt`` of ``row``: a one-message conversation, or the other side's exact text."""
+    return [{"role": "user", "content": row["prompt"]}] if chat else row["text"]
 
 
 def greedy_accuracy(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int, batch: int) -> dict[str, Any]:
@@ -104,7 +115,9 @@ def main(spec_path: str, out_path: str) -> None:
     load_s = time.perf_counter() - t_load
     out: dict[str, Any] = {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                                         "torch": torch.__version__}, "load_s": load_s}
-    out["token_id_mismatches"] = {"train": check_token_ids(tokenizer, spec["train"]), "val": check_token_ids(tokenizer, spec["val"])}
+    chat = bool(spec.get("chat", True))
+    out["token_id_mismatches"] = {"train": check_token_ids(tokenizer, spec["train"], chat),
+                                  "val": check_token_ids(tokenizer, spec["val"], chat)}
 
     t0 = time.perf_counter()
     before = greedy_accuracy(model, tokenizer, spec["val"], spec["max_new_tokens"], spec["val_batch_size"])
@@ -123,7 +136,8 @@ def main(spec_path: str, out_path: str) -> None:
 
     model.generate = timed_generate  # type: ignore[method-assign]
 
-    per_step = int(spec["prompts_per_step"])
+    per_step, val_every = int(spec["prompts_per_step"]), int(spec.get("val_every") or 0)
+    curve: list[dict[str, float]] = [{"step": 0, "train_s": 0.0, "acc": before["accuracy"]}]
     seen_prompts: list[str] = []
     completion_tokens: list[int] = []
 
@@ -131,7 +145,7 @@ def main(spec_path: str, out_path: str) -> None:
                              **_: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         group = len(prompts) // per_step
-        seen_prompts.extend(p[-1]["content"] if isinstance(p, list) else p for p in prompts[::group])
+        seen_prompts.extend(p[-1]["content"] if isinstance(p, list) else p for p in prompts[::group])  # text if plain
         completion_tokens.append(sum(len(c) for c in completion_ids))
         return [first_integer_reward(t, a) for t, a in zip(texts, answer)]
 
@@ -146,12 +160,16 @@ def main(spec_path: str, out_path: str) -> None:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.steps.append({"step_s": time.perf_counter() - self.t, "generate_s": sum(gen_times[self.gen_at:])})
+            if val_every and state.global_step % val_every == 0:  # held-out accuracy, outside the step's time
+                acc = greedy_accuracy(model, tokenizer, spec["val"], spec["max_new_tokens"], spec["val_batch_size"])
+                curve.append({"step": state.global_step, "train_s": sum(s["step_s"] for s in self.steps),
+                              "acc": acc["accuracy"], "responses": acc["responses"]})
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "reward" in logs:
                 self.logs.append(dict(logs))
 
-    train = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in spec["train"]])
+    train = Dataset.from_list([{"prompt": trl_prompt(r, chat), "answer": r["answer"]} for r in spec["train"]])
     steps = int(spec["steps"])
     micro = int(spec["micro_batch_size"])
     rollouts = per_step * int(spec["num_generations"])
@@ -177,15 +195,19 @@ def main(spec_path: str, out_path: str) -> None:
     model.generate = plain_generate  # type: ignore[method-assign]
 
     t0 = time.perf_counter()
-    after = greedy_accuracy(model, tokenizer, spec["val"], spec["max_new_tokens"], spec["val_batch_size"])
-    out["val_after"], out["val_after_s"] = after["accuracy"], time.perf_counter() - t0
-    out["val_responses_after"] = after["responses"]
+    if curve[-1]["step"] != steps:  # the last step was not validated inside the run
+        acc = greedy_accuracy(model, tokenizer, spec["val"], spec["max_new_tokens"], spec["val_batch_size"])
+        curve.append({"step": steps, "train_s": sum(s["step_s"] for s in timer.steps), "acc": acc["accuracy"],
+                      "responses": acc["responses"]})
+    out["val_after"], out["val_after_s"] = curve[-1]["acc"], time.perf_counter() - t0
+    out["val_responses_after"] = curve[-1].pop("responses")
+    out["curve"] = [{k: v for k, v in point.items() if k != "responses"} for point in curve]
     out["steps"] = [
         {**s, "reward": float(log.get("reward", float("nan"))), "completion_tokens": n, "grad_norm": log.get("grad_norm"),
          "loss": log.get("loss")}
         for s, log, n in zip(timer.steps, timer.logs, completion_tokens)
     ]
-    expected = [r["prompt"] for r in spec["train"]][: len(seen_prompts)]
+    expected = [r["prompt" if chat else "text"] for r in spec["train"]][: len(seen_prompts)]
     out["prompt_order_matches"] = seen_prompts == expected and len(seen_prompts) == steps * per_step
     out["config"] = {k: getattr(args, k) for k in (
         "loss_type", "scale_rewards", "beta", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level",

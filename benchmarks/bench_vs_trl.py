@@ -1,6 +1,19 @@
 """Against TRL, side by side: the same task, model, prompts, seeds and budget through TRL's GRPOTrainer and `nrl grpo`.
 
     python -m benchmarks.bench_vs_trl [--quick] [--same-batch] [--seeds 0 1 2] [--steps 25] [--val 200] [--json F] [key=value ...]
+    python -m benchmarks.bench_vs_trl --budget tiny|smollm2|smollm2_fewshot --sweep N     # many seeds, resumable
+    python -m benchmarks.bench_vs_trl --budget tiny --systems nrl --seeds K              # rerun one seed
+    python -m benchmarks.bench_vs_trl --stats                                            # decisions and plots
+
+Many seeds (``--budget``, issue 44): a budget (``benchmarks/_vs_trl_seeds.py``: config, overrides,
+steps, held-out prompts, accuracy every ``val_every`` steps, the tiny model's shared SFT warm start)
+runs each seed of each system and appends one JSON line to
+``benchmarks/results/bench_vs_trl_seeds.jsonl``; ``--sweep N`` skips the seeds already there, so a
+killed sweep resumes at the next seed. The outcome of a seed is deterministic: ``--seeds K`` reruns it
+and says whether it reproduces the recorded line. ``--stats`` (also printed after a sweep) turns the
+lines into a decision per budget (``benchmarks/_seed_stats.py``: distributions, Mann-Whitney U, a
+permutation test, bootstrap intervals, the smallest detectable difference) and two plots
+(``benchmarks/_seed_plots.py``: reward per step with its band, accuracy against training seconds).
 
 Not part of CI (minutes per run on 2 cores). For each seed, TRL 1.16's ``GRPOTrainer`` (from its own
 venv ``.venv-trl``, built by ``.ci/trl_venv.sh`` when missing, run as ``benchmarks/_trl_driver.py`` in a
@@ -40,6 +53,7 @@ from typing import Any
 
 from benchmarks._common import quiet_env
 from benchmarks._vs_trl_report import DIFFERENCES, print_report
+from benchmarks._vs_trl_seeds import BUDGETS, PLOTS, RESULTS, Budget, append_line, recorded, same_outcome, seed_line
 
 CONFIG = "configs/grpo_smollm2_vs_trl.yaml"
 TRL_VENV = ".venv-trl"
@@ -122,9 +136,10 @@ def spec_rows(cfg: Any, tokenizer: Any, records: list[dict[str, str]]) -> list[d
     return rows
 
 
-def build_spec(cfg: Any, seed: int, steps: int, val: int, micro_batch: int | None = None) -> dict[str, Any]:
+def build_spec(cfg: Any, seed: int, steps: int, val: int, micro_batch: int | None = None, val_every: int = 0) -> dict[str, Any]:
     """The TRL driver's spec: this project's train prompts in its order (steps x 8) and its first ``val`` held-out
-    ones; TRL's micro-batch is ours unless ``micro_batch`` says otherwise."""
+    ones; TRL's micro-batch is ours unless ``micro_batch`` says otherwise; held-out accuracy every ``val_every``
+    steps too (0: before and after only)."""
     from transformers import AutoTokenizer
 
     from nrl_tasks.models.builtin import resolve_model_path
@@ -142,7 +157,8 @@ def build_spec(cfg: Any, seed: int, steps: int, val: int, micro_batch: int | Non
         "num_generations": g.num_generations_per_prompt, "micro_batch_size": micro_batch or cfg.policy.train_micro_batch_size,
         "max_new_tokens": cfg.gen.max_new_tokens, "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p,
         "lr": cfg.policy.optimizer.kwargs.lr, "max_grad_norm": cfg.policy.max_grad_norm,
-        "threads": cfg.policy.torch_num_threads, "val_batch_size": g.val_batch_size,
+        "threads": cfg.policy.torch_num_threads, "val_batch_size": g.val_batch_size, "chat": cfg.data.chat_template,
+        "val_every": val_every,
         "train": spec_rows(cfg, tokenizer, [train[i] for i in order]), "val": spec_rows(cfg, tokenizer, held_out),
     }
 
@@ -160,18 +176,22 @@ def run_trl(python: str, spec: dict[str, Any], work: str) -> dict[str, Any]:
         "split": [{"generate": s["generate_s"], "rest": s["step_s"] - s["generate_s"]} for s in steps],
         "new_tokens": [s["completion_tokens"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
         "prompt_order_matches": out["prompt_order_matches"], "token_id_mismatches": out["token_id_mismatches"],
-        "config": out["config"], "versions": out["versions"], **measured,
+        "config": out["config"], "versions": out["versions"], "curve": out["curve"], **measured,
     }
 
 
-def run_ours(config: str, overrides: list[str], seed: int, steps: int, val: int, work: str) -> dict[str, Any]:
+def run_ours(config: str, overrides: list[str], seed: int, steps: int, val: int, work: str, val_every: int = 0) -> dict[str, Any]:
+    import shutil
+
     import storage
     from flows.observe.metrics import read_metrics
 
     root, run_id = os.path.join(work, "runs"), f"vs-trl-s{seed}"
+    shutil.rmtree(os.path.join(root, run_id), ignore_errors=True)  # a killed earlier attempt is run again whole
     cmd = [sys.executable, "-m", "flows.cli", "grpo", "--config", config, "--storage", root, "--run-id", run_id,
-           f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"grpo.val_period={steps}", f"grpo.max_val_samples={val}",
-           "grpo.val_at_start=true", "logger.step_subflows=false", *overrides]
+           f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"grpo.val_period={val_every or steps}",
+           f"grpo.max_val_samples={val}", "grpo.val_at_start=true", "grpo.val_at_end=true", "logger.step_subflows=false",
+           *overrides]
     measured = run_measured(cmd, os.path.join(work, "nrl.log"))
     run_uri = os.path.join(root, run_id)
     rows = read_metrics(os.path.join(run_uri, "metrics.jsonl"))
@@ -196,11 +216,17 @@ def run_ours(config: str, overrides: list[str], seed: int, steps: int, val: int,
                         for s in range(1, len(rows) + 1)]
     before, _ = val_of(0)
     after, responses = val_of(steps)
+    train_s = [0.0]
+    for r in rows:  # training seconds so far, the validations left out (TRL's curve counts the same way)
+        train_s.append(train_s[-1] + f(r, "step_s") - f(r, "val_s"))
+    curve = [{"step": s, "train_s": train_s[s], "acc": val_of(s)[0]} for s in range(len(rows) + 1)
+             if storage.is_committed(os.path.join(run_uri, "steps", f"step_{s:06d}", "val"))]
     return {
         "val_before": before, "val_after": after, "responses_after": responses,
         "rewards": [f(r, "reward_mean") for r in rows], "step_s": [f(r, "step_s") - f(r, "val_s") for r in rows],
         "split": split, "new_tokens": [f(r, "new_tokens") for r in rows], "grad_norm": [r.get("grad_norm") for r in rows],
-        "logprob_skipped": all(r.get("logprob_skipped") for r in rows), "prompts_per_step": prompts_per_step, **measured,
+        "logprob_skipped": all(r.get("logprob_skipped") for r in rows), "prompts_per_step": prompts_per_step,
+        "curve": curve, **measured,
     }
 
 
@@ -272,6 +298,92 @@ def same_batch(python: str, cfg: Any, seed: int, work: str) -> dict[str, Any]:
     return result
 
 
+def warm_start_overrides(b: Budget, keep: str) -> list[str]:
+    """``policy.model_name=<weights>`` of the budget's SFT warm start, made once under ``keep`` (none: [])."""
+    if b.warm_start is None:
+        return []
+    import shutil
+
+    from flows.algorithms.warm_start import run_sft_warm_start
+
+    steps, lr = b.warm_start
+    root, run_id = os.path.join(keep, "warm"), "vs-trl-warm"
+    weights = os.path.join(root, run_id, "checkpoints", f"step_{steps:06d}", "weights")
+    if not os.path.exists(os.path.join(weights, "model.safetensors")):
+        shutil.rmtree(os.path.join(root, run_id), ignore_errors=True)
+        print(f"SFT warm start ({steps} steps, lr {lr}) for both systems ...", flush=True)
+        weights = run_sft_warm_start(b.config, run_id, steps=steps, storage=root, lr=lr)
+    return [f"policy.model_name={weights}"]
+
+
+def run_seed(system: str, name: str, b: Budget, seed: int, overrides: list[str], python: str, keep: str) -> dict[str, Any]:
+    """One seed of one system on budget ``name``: its results line. A TRL run that saw other prompts, or other
+    token ids, than ours is an error, not a result."""
+    from flows.config import load_config
+
+    work = os.path.join(keep, f"seed{seed}-{system}")
+    os.makedirs(work, exist_ok=True)
+    if system == "trl":
+        cfg = load_config(b.config, [*overrides, f"grpo.seed={seed}", f"grpo.max_num_steps={b.steps}"])
+        run = run_trl(python, build_spec(cfg, seed, b.steps, b.val, b.trl_micro_batch, b.val_every), work)
+        if not run["prompt_order_matches"] or any(run["token_id_mismatches"].values()):
+            raise RuntimeError(f"TRL's run of seed {seed} saw other prompts than ours: prompt order matches "
+                               f"{run['prompt_order_matches']}, token id mismatches {run['token_id_mismatches']}")
+    else:
+        run = run_ours(b.config, overrides, seed, b.steps, b.val, work, b.val_every)
+    return seed_line(system, name, seed, b, run)
+
+
+def run_budget(args: argparse.Namespace) -> None:
+    """``--budget``: ``--sweep N`` runs seeds 0..N-1 of each system that the results file lacks and appends their
+    lines; ``--seeds K ...`` reruns those seeds, prints their lines and says whether each reproduces the recorded one
+    (``--record``: appends them too)."""
+    import dataclasses
+
+    b = BUDGETS[args.budget]
+    if args.steps:
+        b = dataclasses.replace(b, steps=args.steps, val_every=min(b.val_every, args.steps))
+    keep = args.keep or os.path.join(tempfile.gettempdir(), f"bench-vs-trl-{args.budget}")  # kept: a rerun resumes
+    os.makedirs(keep, exist_ok=True)
+    quiet_env(prefect_home=os.path.join(keep, "prefect"))
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    python = ensure_trl_venv() if "trl" in args.systems else ""
+    overrides = [*b.overrides, *warm_start_overrides(b, keep), *args.overrides]
+    done = recorded(args.results)
+    seeds = list(range(args.sweep)) if args.sweep else (args.seeds or [0])
+    for seed in seeds:
+        for system in args.systems:
+            key = (system, args.budget, seed)
+            if args.sweep and key in done:
+                continue
+            print(f"{args.budget} seed {seed}: {system} ...", flush=True)
+            line = run_seed(system, args.budget, b, seed, overrides, python, keep)
+            print(json.dumps(line), flush=True)
+            if not args.sweep and key in done:
+                diff = same_outcome(done[key], line)
+                print(f"seed {seed} {system}: " + ("reproduces the recorded line" if not diff else f"differs from the "
+                      f"recorded line in {', '.join(diff)}"), flush=True)
+            if args.sweep or args.record:
+                append_line(args.results, line)
+    if args.sweep:
+        print_budget_stats(args.results, [args.budget])
+
+
+def print_budget_stats(results: str, budgets: list[str] | None = None) -> None:
+    """The decision of each budget in ``results`` (markdown) and its two plots under ``benchmarks/plots``."""
+    from benchmarks._seed_plots import write_plots
+    from benchmarks._seed_stats import markdown_report, read_rows
+
+    rows = read_rows(results)
+    for name in budgets or sorted({r["budget"] for r in rows}):
+        mine = [r for r in rows if r["budget"] == name]
+        if not mine:
+            continue
+        print(f"\n## {name}: {BUDGETS[name].note if name in BUDGETS else ''}\n")
+        print(markdown_report(mine, name))
+        print("plots:", ", ".join(write_plots(mine, name, PLOTS)))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed, 16 held-out prompts (smoke run)")
@@ -285,9 +397,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "ours, policy.train_micro_batch_size); the update is the same whatever the micro-batch")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--keep", default=None, help="keep the runs, logs and TRL specs in this folder")
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default=None, help="many seeds on one budget (see "
+                    "benchmarks/_vs_trl_seeds.py), results appended to --results")
+    ap.add_argument("--sweep", type=int, default=None, help="with --budget: seeds 0..N-1 of each system the results "
+                    "file lacks (a killed sweep resumes at the next seed)")
+    ap.add_argument("--record", action="store_true", help="with --budget --seeds: append the rerun seeds' lines")
+    ap.add_argument("--results", default=RESULTS, help=f"the results file (default {RESULTS})")
+    ap.add_argument("--stats", action="store_true", help="only print each budget's decision from --results and "
+                    "write its plots")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of this project's config (the TRL side follows "
                     "the budget keys it reads: batch, tokens, sampling, lr, clip, threads)")
     args = ap.parse_args(argv)
+    if args.stats:
+        print_budget_stats(args.results, [args.budget] if args.budget else None)
+        return {}
+    if args.budget:
+        run_budget(args)
+        return {}
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     steps = args.steps or (2 if args.quick else 25)
     val = args.val or (16 if args.quick else 200)
@@ -329,6 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "nrl" in args.systems:
             print(f"seed {seed}: nrl grpo ...", flush=True)
             runs["nrl"] = run_ours(CONFIG, overrides, seed, steps, val, work)
+            runs["nrl"].pop("curve")
             sent = [[r["text"]] * cfg.grpo.num_generations_per_prompt for r in spec["train"]]
             expected = [[t for group in sent[i:i + cfg.grpo.num_prompts_per_step] for t in group]
                         for i in range(0, len(sent), cfg.grpo.num_prompts_per_step)]

@@ -64,7 +64,7 @@ def with_warm_start_weights(cfg: MasterConfig, run_id: str) -> MasterConfig:
 def warm_start_config(cfg: MasterConfig) -> dict[str, Any]:
     """The SFT run's config (data) for GRPO config ``cfg``: its policy (full weights, the warm
     start's batch size and learning rate), data and seed, an ``sft`` section of ``N`` steps
-    checkpointed at the last, no warm start of its own."""
+    checkpointed at the last (even where the GRPO run itself saves no checkpoints), no warm start of its own."""
     ws, policy = cfg.warm_start, cfg.policy
     if policy.dtensor_cfg.lora_cfg.enabled:
         dt = policy.dtensor_cfg.model_copy(update={"lora_cfg": type(policy.dtensor_cfg.lora_cfg)()})
@@ -77,7 +77,7 @@ def warm_start_config(cfg: MasterConfig) -> dict[str, Any]:
     policy = policy.model_copy(update=update)
     base = cfg.model_copy(update={
         "warm_start": type(ws)(), "policy": policy, "sft": SFTConfig(max_num_steps=ws.sft_steps, seed=cfg.grpo.seed + SEED_OFFSET),
-        "checkpointing": cfg.checkpointing.model_copy(update={"save_period": ws.sft_steps, "save_optimizer": False}),
+        "checkpointing": cfg.checkpointing.model_copy(update={"enabled": True, "save_period": ws.sft_steps, "save_optimizer": False}),
     })
     return base.model_dump(mode="json", exclude={"loss_fn", "dpo"})
 

@@ -85,3 +85,7 @@ def test_the_warm_start_config_is_an_sft_run_with_its_own_batch_and_learning_rat
     assert sft.kind == "sft" and sft.sft.max_num_steps == 3 and sft.checkpointing.save_period == 3
     assert sft.policy.train_global_batch_size == 8 and sft.policy.optimizer.kwargs.lr == 0.003
     assert sft.policy.optimizer.kwargs.weight_decay == 0.0 and sft.warm_start.sft_steps == 0
+    # a GRPO run that saves no checkpoints still gets its warm start's weights (they are a checkpoint)
+    off = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_tiny.yaml"),
+                      [*overrides, "checkpointing.enabled=false"])
+    assert MasterConfig.model_validate(warm_start_config(off)).checkpointing.enabled
