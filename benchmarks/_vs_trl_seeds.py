@@ -74,7 +74,7 @@ def seed_line(system: str, budget: str, seed: int, b: Budget, run: dict[str, Any
 
 
 def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     return done.stdout.strip() or "unknown"
 
 

@@ -53,7 +53,16 @@ from typing import Any
 
 from benchmarks._common import quiet_env
 from benchmarks._vs_trl_report import DIFFERENCES, print_report
-from benchmarks._vs_trl_seeds import BUDGETS, PLOTS, RESULTS, Budget, append_line, recorded, same_outcome, seed_line
+from benchmarks._vs_trl_seeds import (
+    BUDGETS,
+    PLOTS,
+    RESULTS,
+    Budget,
+    append_line,
+    recorded,
+    same_outcome,
+    seed_line,
+)
 
 CONFIG = "configs/grpo_smollm2_vs_trl.yaml"
 TRL_VENV = ".venv-trl"
@@ -366,10 +375,10 @@ def run_budget(args: argparse.Namespace) -> None:
             if args.sweep or args.record:
                 append_line(args.results, line)
     if args.sweep:
-        print_budget_stats(args.results, [args.budget])
+        print_budget_stats(args.results, [args.budget], args.plots)
 
 
-def print_budget_stats(results: str, budgets: list[str] | None = None) -> None:
+def print_budget_stats(results: str, budgets: list[str] | None = None, plots: str = PLOTS) -> None:
     """The decision of each budget in ``results`` (markdown) and its two plots under ``benchmarks/plots``."""
     from benchmarks._seed_plots import write_plots
     from benchmarks._seed_stats import markdown_report, read_rows
@@ -381,7 +390,7 @@ def print_budget_stats(results: str, budgets: list[str] | None = None) -> None:
             continue
         print(f"\n## {name}: {BUDGETS[name].note if name in BUDGETS else ''}\n")
         print(markdown_report(mine, name))
-        print("plots:", ", ".join(write_plots(mine, name, PLOTS)))
+        print("plots:", ", ".join(write_plots(mine, name, plots)))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -403,13 +412,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "file lacks (a killed sweep resumes at the next seed)")
     ap.add_argument("--record", action="store_true", help="with --budget --seeds: append the rerun seeds' lines")
     ap.add_argument("--results", default=RESULTS, help=f"the results file (default {RESULTS})")
+    ap.add_argument("--plots", default=PLOTS, help=f"where --stats and --sweep write the plots (default {PLOTS})")
     ap.add_argument("--stats", action="store_true", help="only print each budget's decision from --results and "
                     "write its plots")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of this project's config (the TRL side follows "
                     "the budget keys it reads: batch, tokens, sampling, lr, clip, threads)")
     args = ap.parse_args(argv)
     if args.stats:
-        print_budget_stats(args.results, [args.budget] if args.budget else None)
+        print_budget_stats(args.results, [args.budget] if args.budget else None, args.plots)
         return {}
     if args.budget:
         run_budget(args)
