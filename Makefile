@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=15
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=40
 
 test-all: test test-slow
 
