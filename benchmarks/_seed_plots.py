@@ -14,13 +14,13 @@ length are cut to the shortest. Drawn with :func:`flows.observe.plot.line_plot_p
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
 from benchmarks._seed_stats import Row, mean_band
 from flows.observe.plot import BLUE, LIGHT_BLUE, Series, line_plot_png
+from storage import write_bytes_atomic
 
 __all__ = ["COLOURS", "accuracy_vs_time_png", "reward_band_png", "write_plots"]
 
@@ -85,27 +85,12 @@ def accuracy_vs_time_png(rows: Sequence[Row], budget: str) -> bytes:
                          y_label="held-out greedy accuracy", x_range=(0.0, right if right > 0 else 1.0))
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".png")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the plot from other readers
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_plots(rows: Sequence[Row], budget: str, out_dir: str) -> list[str]:
     """Write ``bench_vs_trl_<budget>_reward.png`` and ``..._acc_vs_time.png`` into ``out_dir``; their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, draw in (("reward", reward_band_png), ("acc_vs_time", accuracy_vs_time_png)):
         path = os.path.join(out_dir, f"bench_vs_trl_{budget}_{name}.png")
-        _write_atomic(path, draw(rows, budget))
+        write_bytes_atomic(path, draw(rows, budget))
         paths.append(path)
     return paths
