@@ -38,7 +38,11 @@ refit, validation, metrics line, is done).
 
 After each step the driver hands its references to ``publish`` (the metrics line, artifacts,
 trackers) and calls ``after_step`` (retention); ``fence()`` runs before each step's train and
-raises when this flow may no longer write the run.
+raises when this flow may no longer write the run. ``before_subflow()`` runs before a step
+subflow starts: the run's flow lets its background API writes (artifacts, tags, trackers) finish
+first, because on Prefect's SQLite server a write committed while the subflow's tracking task
+run is being created makes that creation fail with ``SQLITE_BUSY_SNAPSHOT`` (a 503 the client
+retries after ~2 s).
 
 **Early stop** (the recipe's :meth:`~flows.run.recipe.Recipe.stop_rule`, GRPO's
 ``grpo.stop_at_validation_metric``): after a validated step whose figure reaches the threshold no
@@ -141,6 +145,7 @@ class StepDriver:
         fence: Callable[[], None] | None = None,
         publish: Callable[..., Any] | None = None,
         after_step: Callable[[int], None] | None = None,
+        before_subflow: Callable[[], None] | None = None,
     ) -> None:
         self.run = run
         self.recipe = recipe
@@ -150,7 +155,10 @@ class StepDriver:
         self.fence = fence
         self.publish = publish or (lambda ctx, refs, plan, **kw: publish_step(ctx, refs, plan, recipe, **kw))
         self.after_step = after_step
+        self.before_subflow = before_subflow or (lambda: None)
         self.step_unit, self.segment_unit, self.steps_per_segment = self._units()
+        #: each step its own subflow (else inline, or inside its segment's subflow)
+        self.step_subflows = self.segment_unit is None and run.cfg.logger.step_subflows
         self.log: Any = None  # the run flow run's logger (set when the steps run)
         self.finished: set[int] = set()  # published in this flow process
         self.started: dict[int, float] = {}  # step -> when its first attempt began
@@ -238,6 +246,7 @@ class StepDriver:
         index = (step - 1) // k
         attempt = self.segment_attempts[index] = self.segment_attempts.get(index, 0) + 1
         last = min((index + 1) * k, self.schedule.max_steps)
+        self.before_subflow()
         self.segment_unit(StepSegment(self.run.run_id, step, last, attempt), self._sync_step)
 
     def _sync_step(self, step: int) -> None:
@@ -247,6 +256,8 @@ class StepDriver:
             return
         ctx, plan, t0 = self._begin(step)
         attempt = self.attempts[step] = self.attempts.get(step, 0) + 1
+        if self.step_subflows:
+            self.before_subflow()
         self._finish(ctx, self.step_unit(quote(ctx), replace(plan, attempt=attempt)), plan, t0)
 
     def _begin(self, step: int) -> tuple[Any, StepPlan, float]:

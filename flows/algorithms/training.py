@@ -63,6 +63,9 @@ from storage.lease import LeaseHeldError
 
 __all__ = ["flow_run_namer", "recipe_flow", "resume_config", "run_steps", "train_run"]
 
+#: how long a subflow start waits for the run's own background API writes (see StepDriver)
+SUBFLOW_START_WAIT_S = 2.0
+
 
 def flow_run_namer(kind: str) -> Callable[[], str]:
     """The first name of a flow run of ``kind`` (the session renames it once the run is known:
@@ -153,6 +156,8 @@ def run_steps(
         # had trained, whose train was lost); the last trained step's line only when missing
         run, recipe, lambda s: step_plan(cfg, recipe, s, chash=chash, write_line=s > last or s not in have_lines),
         budget=budget, fence=fence, publish=publish,
+        # never waits longer than the ~2 s retry it saves (flows.algorithms.driver)
+        before_subflow=lambda: publisher.flush(timeout_s=SUBFLOW_START_WAIT_S),
         after_step=lambda s: apply_retention(layout, retention, max(0, s - age), opts, pruned=pruned,
                                              prunable=recipe.graph.step_inputs),
     )

@@ -71,8 +71,9 @@ class BackgroundPublisher:
             return None
 
     def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait up to ``timeout_s`` for the backlog; what is still running stays pending."""
         concurrent.futures.wait(self._pending, timeout=timeout_s)
-        self._pending = []
+        self._pending = [f for f in self._pending if not f.done()]
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.flush(timeout_s)
