@@ -157,8 +157,6 @@ class StepDriver:
         self.after_step = after_step
         self.before_subflow = before_subflow or (lambda: None)
         self.step_unit, self.segment_unit, self.steps_per_segment = self._units()
-        #: each step its own subflow (else inline, or inside its segment's subflow)
-        self.step_subflows = self.segment_unit is None and run.cfg.logger.step_subflows
         self.log: Any = None  # the run flow run's logger (set when the steps run)
         self.finished: set[int] = set()  # published in this flow process
         self.started: dict[int, float] = {}  # step -> when its first attempt began
@@ -185,7 +183,16 @@ class StepDriver:
         if not lg.step_subflows:
             return inline, None, 1
         k = steps_per_subflow(lg.steps_per_subflow, self.schedule.max_steps)
-        return (one, None, 1) if k == 1 else (inline, segment, k)
+        return (self._subflow(one), None, 1) if k == 1 else (inline, self._subflow(segment), k)
+
+    def _subflow(self, unit: Callable[..., Any]) -> Callable[..., Any]:
+        """``unit`` (a subflow) started after ``before_subflow()``."""
+
+        def start(*args: Any) -> Any:
+            self.before_subflow()
+            return unit(*args)
+
+        return start
 
     def run_from(self, trained: int) -> dict[int, float]:
         """Run steps ``trained`` (once more: its committed stages skip) to the last, recovering
@@ -246,7 +253,6 @@ class StepDriver:
         index = (step - 1) // k
         attempt = self.segment_attempts[index] = self.segment_attempts.get(index, 0) + 1
         last = min((index + 1) * k, self.schedule.max_steps)
-        self.before_subflow()
         self.segment_unit(StepSegment(self.run.run_id, step, last, attempt), self._sync_step)
 
     def _sync_step(self, step: int) -> None:
@@ -256,8 +262,6 @@ class StepDriver:
             return
         ctx, plan, t0 = self._begin(step)
         attempt = self.attempts[step] = self.attempts.get(step, 0) + 1
-        if self.step_subflows:
-            self.before_subflow()
         self._finish(ctx, self.step_unit(quote(ctx), replace(plan, attempt=attempt)), plan, t0)
 
     def _begin(self, step: int) -> tuple[Any, StepPlan, float]:
