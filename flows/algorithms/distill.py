@@ -74,6 +74,9 @@ class DistillRecipe(GRPORecipe):
     def stop_rule(self, cfg: MasterConfig) -> None:
         return None  # NeMo-RL's distillation has no early stop
 
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        return False  # the teacher's top-k, not a reference policy, is what the update reads
+
     def schedule(self, cfg: MasterConfig) -> StepSchedule:
         return StepSchedule(self.budget(cfg))
 

@@ -68,6 +68,9 @@ class DPORecipe(SupervisedRecipe):
     update_fn = staticmethod(dpo_update)
     validate_task = staticmethod(dpo_validate)
     row_loader = staticmethod(load_preferences)
+
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        return True  # the frozen reference's logprobs of every pair
     console_figures = (("loss", "loss", ".4f"), ("accuracy", "accuracy", ".3f"), ("margin", "rewards_margin_mean", ".4f"))
 
     def check_config(self, cfg: MasterConfig) -> list[str]:

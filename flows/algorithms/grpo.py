@@ -49,6 +49,7 @@ from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.data import load_prompt_records, snapshot_records
 from nrl_tasks.stages.evaluate import validate
 from nrl_tasks.stages.graph import GRPO_GRAPH
+from nrl_tasks.stages.logprob import reference_needed
 from nrl_tasks.stages.refs import ActionResult, DatasetRef, StepRefs
 from nrl_tasks.stages.resume_plan import grpo_facts_options
 from nrl_tasks.stages.schedule import StepSchedule
@@ -103,6 +104,9 @@ class GRPORecipe:
         if g.stop_at_validation_metric is None or g.stop_at_validation_threshold is None:
             return None
         return StopRule(f"val_{g.stop_at_validation_metric}", g.stop_at_validation_threshold, "grpo.stop_at_validation_metric")
+
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        return reference_needed(cfg)  # the logprob stage's KL reference (PPO's too)
 
     def retries(self, cfg: MasterConfig) -> Retries:
         g = cfg.grpo

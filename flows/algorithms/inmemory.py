@@ -16,7 +16,7 @@ from typing import Any
 from flows.config import MasterConfig
 from nrl_tasks.stages.advantages import compute_advantages
 from nrl_tasks.stages.generate import build_prompt_batch, generation_input, rollouts_from_generation
-from nrl_tasks.stages.logprob import compute_logprobs
+from nrl_tasks.stages.logprob import compute_logprobs, reference_needed
 from nrl_tasks.stages.refit import refit_weights
 from nrl_tasks.stages.score import compute_rewards
 from nrl_tasks.stages.train import build_train_data, run_train
@@ -47,7 +47,7 @@ def run_in_memory(rt: Any, cfg: MasterConfig, num_steps: int, records: list[dict
         rewards, valid, _ = compute_rewards(rollouts, cfg.env, rt.reward_model)
         row["score_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        lp = compute_logprobs(rt.policy, rollouts, need_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+        lp = compute_logprobs(rt.policy, rollouts, need_reference=reference_needed(cfg))
         row["logprob_s"] = time.perf_counter() - t
         t = time.perf_counter()
         adv = compute_advantages(rollouts["group_id"], rewards, valid, cfg.grpo)

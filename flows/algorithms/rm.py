@@ -33,6 +33,7 @@ from prefect.utilities.annotations import quote
 
 from flows.algorithms.dpo import DPORecipe
 from flows.algorithms.training import recipe_flow
+from flows.config import MasterConfig
 from flows.observe.summary import SummaryFields
 from nrl_tasks.stages.context import RunContext, StepContext
 from nrl_tasks.stages.dpo import preference_pairs
@@ -54,6 +55,9 @@ class RMRecipe(DPORecipe):
     train_keys = (*RM_TRAIN_KEYS, "train_seconds")
     update_fn = staticmethod(rm_update)
     validate_task = staticmethod(rm_validate)
+
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        return False  # a reward model is trained alone
 
     def update(self, ctx: StepContext, inputs: Mapping[str, Any]) -> dict[str, Any]:
         pairs = inputs["pairs"]

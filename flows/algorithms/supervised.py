@@ -179,6 +179,9 @@ class SupervisedRecipe:
     def stop_rule(self, cfg: MasterConfig) -> None:
         return None  # NeMo-RL's DPO and SFT have no early stop
 
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        return False  # SFT (DPO overrides it)
+
     def retries(self, cfg: MasterConfig) -> Retries:
         return DEFAULT_RETRIES
 

@@ -122,6 +122,10 @@ class Recipe(Protocol):
     def retries(self, cfg: MasterConfig) -> Retries:
         """The run's retry settings."""
 
+    def reference_weights(self, cfg: MasterConfig) -> bool:
+        """Whether its steps read the reference policy (the initial weights, e.g. a KL term): the
+        policy workers keep a copy of them only then."""
+
     def schedule(self, cfg: MasterConfig) -> Any:
         """The run's :class:`~nrl_tasks.stages.schedule.StepSchedule` (age 0 but for async GRPO)."""
 

@@ -78,6 +78,9 @@ class Runtime:
     ray_session_dir: str | None = None
     #: the run's data snapshots (``{"train": [...]}``), taken by its recipe before Ray started
     records: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    #: whether the policy workers keep a copy of the initial weights (the reference policy, which a
+    #: KL term reads): a model's worth of memory in each worker, so only when the recipe needs it
+    reference_weights: bool = True
 
     # ------------------------------------------------------------------ actors
     def _cluster(self, role: str, workers: int, cpus: float) -> Any:
@@ -110,7 +113,8 @@ class Runtime:
             except (LookupError, RuntimeError) as exc:
                 logger.info("no live policy to attach to (%s): creating it", exc)
         cl = self._cluster("policy", cfg.cluster.policy_workers, cfg.cluster.num_cpus_per_worker)
-        self.policy = Policy(cl, pc, self.tokenizer, name_prefix="lm_policy", namespace=self.namespace)
+        self.policy = Policy(cl, pc, self.tokenizer, name_prefix="lm_policy", namespace=self.namespace,
+                             init_reference_model=self.reference_weights)
         self.policy_attached = False
         if self.generation is not None and self.generation.shares_policy_weights:
             self.start_generation(fresh=True)  # colocated: sample on the new workers (version 0, as they are)
@@ -301,6 +305,7 @@ def setup_runtime(
     records: dict[str, list[dict[str, str]]] | None = None,
     tokenizer: Any = None,
     on_connect: Callable[[Runtime], None] | None = None,
+    reference_weights: bool = True,
 ) -> Runtime:
     """Connect Ray, attach to or create the run's policy and the ``actors`` its recipe uses
     (generation workers, the reward model and the environment when the config has them).
@@ -308,7 +313,8 @@ def setup_runtime(
     ``records``: the run's data snapshots, taken by its recipe before Ray is touched (so a bad
     data file fails before anything starts); ``tokenizer``: the one already loaded (default: the
     config's). ``on_connect(rt)`` runs once Ray is up, before any actor (``rt.ray_session_dir`` is
-    set when this call started a local Ray).
+    set when this call started a local Ray). ``reference_weights``: whether a policy this call
+    creates keeps the initial weights (its recipe's :meth:`~flows.run.recipe.Recipe.reference_weights`).
     """
     rt = Runtime(
         cfg=cfg,
@@ -317,6 +323,7 @@ def setup_runtime(
         namespace=namespace_for(run_id),
         tokenizer=tokenizer if tokenizer is not None else load_tokenizer(cfg),
         records=dict(records or {}),
+        reference_weights=reference_weights,
     )
     fresh = not ray_connected()
     connect_ray(cfg, namespace=rt.namespace)

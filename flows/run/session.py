@@ -197,7 +197,8 @@ class RunSession:
                 write_status(self.layout, self.storage_options, local_ray={"host": this_host(), "session_dir": rt.ray_session_dir})
 
         self.runtime = setup_runtime(self.cfg, self.run_id, actors=self.recipe.actors, records=records,
-                                     tokenizer=tokenizer, on_connect=record_ray)
+                                     tokenizer=tokenizer, on_connect=record_ray,
+                                     reference_weights=self.recipe.reference_weights(self.cfg))
         return self.runtime
 
     def context(self) -> RunContext:

@@ -28,13 +28,19 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nrl_tasks.config.master import MasterConfig
     from nrl_tasks.models.policy.interfaces import PolicyInterface
 
-__all__ = ["check_policy_version", "compute_logprobs", "logprob", "logprob_needed"]
+__all__ = ["check_policy_version", "compute_logprobs", "logprob", "logprob_needed", "reference_needed"]
 
 
 def logprob_needed(cfg: MasterConfig) -> bool:
     """Whether any stage reads the step's ``logprobs`` (see the module docstring)."""
     loss = cfg.loss_fn
     return not (loss.force_on_policy_ratio and loss.kl_in_loss == 0 and not loss.use_kl_in_reward)
+
+
+def reference_needed(cfg: MasterConfig) -> bool:
+    """Whether the step reads the reference policy's logprobs (a KL term against it, in the loss or
+    the reward): else the policy workers need not keep the initial weights at all."""
+    return cfg.loss_fn.reference_policy_kl_penalty > 0
 
 
 def compute_logprobs(policy: PolicyInterface, rollouts: BatchedDataDict, *, need_reference: bool = True) -> BatchedDataDict:
@@ -67,7 +73,7 @@ def logprob(ctx: StepContext, rollouts: DatasetRef, weights_version: int) -> Dat
         check_policy_version(policy, weights_version, f"logprob of step {ctx.step}")
         ctx.actor_call("logprob", "policy", policy.worker_group.workers)
         with timer.phase("compute"):
-            out = compute_logprobs(policy, batch, need_reference=ctx.cfg.loss_fn.reference_policy_kl_penalty > 0)
+            out = compute_logprobs(policy, batch, need_reference=reference_needed(ctx.cfg))
         tokens = int(batch["input_lengths"].sum())
         return out, {"tokens_per_s": tokens / max(timer.seconds["compute"], 1e-9), "compute_seconds": timer.seconds["compute"]}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tests.flows.conftest import kill_run_actors, tiny_run_config
 
@@ -45,3 +46,46 @@ def test_force_on_policy_ratio_needs_one_update_per_batch(tiny_model_dir):
     with pytest.raises(ConfigError) as ei:
         load_config(TINY_CONFIG, ["loss_fn.force_on_policy_ratio=true", "policy.train_global_batch_size=8"])
     assert "force_on_policy_ratio" in str(ei.value) and "train_global_batch_size" in str(ei.value)
+
+
+def test_recipes_keep_the_reference_weights_only_when_a_step_reads_them(tiny_model_dir, tmp_path):
+    from flows.algorithms.registry import recipe_for
+    from flows.config import load_config
+    from tests.fixtures.grpo_runs import TINY_CONFIG
+
+    no_kl = load_config(TINY_CONFIG, ["loss_fn.reference_policy_kl_penalty=0.0"])
+    kl = load_config(TINY_CONFIG, ["loss_fn.reference_policy_kl_penalty=0.01"])
+    assert [recipe_for(k).reference_weights(no_kl) for k in ("grpo", "ppo")] == [False, False]
+    assert [recipe_for(k).reference_weights(kl) for k in ("grpo", "ppo")] == [True, True]
+    assert [recipe_for(k).reference_weights(kl) for k in ("sft", "distill", "rm")] == [False, False, False]
+    assert recipe_for("dpo").reference_weights(no_kl) is True  # DPO's frozen reference, whatever loss_fn says
+
+
+def test_a_run_without_a_kl_term_starts_its_policy_without_the_reference_copy(tmp_path, ray_session, tiny_model_dir):
+    """The session's runtime asks the recipe: a GRPO run with ``reference_policy_kl_penalty: 0`` keeps no
+    copy of the initial weights in its policy workers (a model's worth of memory each), and a call that
+    would need them says so."""
+    import ray
+
+    from flows.algorithms.registry import recipe_for
+    from flows.config import load_config
+    from flows.run.recipe import Actors
+    from flows.run.runtime import setup_runtime
+    from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
+
+    root = str(tmp_path / "runs")
+    kept = {}
+    for kl in (0.0, 0.01):
+        cfg = load_config(tiny_run_config(tiny_model_dir, root, ray_session, **{"loss_fn.reference_policy_kl_penalty": kl}))
+        run_id = f"ref-{int(kl * 100)}"
+        try:
+            rt = setup_runtime(cfg, run_id, actors=Actors(), reference_weights=recipe_for("grpo").reference_weights(cfg))
+            worker = rt.policy.worker_group.workers[0]
+            kept[kl] = ray.get(worker.__ray_call__.remote(lambda self: None if self.reference is None else len(self.reference)))
+            if kl == 0.0:
+                batch = BatchedDataDict({"input_ids": torch.ones(2, 4, dtype=torch.long), "input_lengths": torch.tensor([4, 3])})
+                with pytest.raises(Exception, match="init_reference_model=False"):
+                    rt.policy.get_reference_policy_logprobs(batch)
+        finally:
+            kill_run_actors(run_id)
+    assert kept[0.0] is None and kept[0.01]  # every parameter's initial value, only with the KL term
