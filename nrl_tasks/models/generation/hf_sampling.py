@@ -43,6 +43,7 @@ __all__ = [
     "build_generation_output",
     "cache_keyword",
     "filter_top_k_top_p",
+    "forward_parameters",
     "generate_batch",
     "merge_stop_strings",
     "new_cache",
@@ -191,7 +192,7 @@ def new_cache(model: Any) -> Any:
         return DynamicCache()
 
 
-def _forward_parameters(model: Any) -> Mapping[str, Any]:
+def forward_parameters(model: Any) -> Mapping[str, Any]:
     """The parameters of ``model.forward`` (empty when its signature cannot be read)."""
     try:
         return inspect.signature(model.forward).parameters
@@ -202,13 +203,13 @@ def _forward_parameters(model: Any) -> Mapping[str, Any]:
 def cache_keyword(model: Any) -> str:
     """The KV-cache keyword of ``model.forward``: ``cache`` since transformers 5.2x, formerly
     ``past_key_values``."""
-    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
 
 
 def _forward_kwargs(model: Any) -> tuple[str, dict[str, Any]]:
     """The KV-cache keyword of ``model.forward`` and extra kwargs (``logits_to_keep=1`` where
     supported)."""
-    params = _forward_parameters(model)
+    params = forward_parameters(model)
     return cache_keyword(model), ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 

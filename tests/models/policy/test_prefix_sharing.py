@@ -133,3 +133,45 @@ def test_worker_trains_alike_with_and_without_sharing(tiny_model_dir):
     np.testing.assert_allclose(results[True]["grad_norm"], results[False]["grad_norm"], rtol=1e-4)
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("common_start", [False, True])
+def test_without_prompt_logprobs_the_head_skips_the_prompts_and_the_loss_is_the_same(model, common_start):
+    """The train path (``prompt_logprobs=False``): the LM head runs only at each prompt's last
+    position and the rows' own tokens, the prompt positions hold 0, and the loss (KL term included)
+    and every gradient equal the plain forward's."""
+    batch = grouped_batch(seed=2, common_start=common_start)
+    ids, lengths, mask = batch["input_ids"], batch["input_lengths"], batch["token_mask"]
+    prefix = prefix_lengths_from_mask(mask, lengths)
+    plan = prefix_plan(ids, lengths, prefix)
+    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
+    tokens, seqs = mask[:, 1:].sum(), torch.tensor(float(len(lengths)))
+    head_rows: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, inp, _o: head_rows.append(inp[0].shape[0] * inp[0].shape[1]))
+    out = {}
+    try:
+        for name, forward in (("plain", lambda: padded_forward_logprobs(model, ids, lengths)),
+                              ("full", lambda: shared_prefix_logprobs(model, ids, plan)),
+                              ("trimmed", lambda: shared_prefix_logprobs(model, ids, plan, prompt_logprobs=False))):
+            model.zero_grad(set_to_none=True)
+            head_rows.clear()
+            lp = forward()
+            loss, _ = loss_fn(lp[:, 1:], batch, seqs, tokens)
+            loss.backward()
+            out[name] = (lp.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(head_rows))
+    finally:
+        hook.remove()
+    plain, full, trimmed = out["plain"], out["full"], out["trimmed"]
+    # head rows of the prompt passes: every padded prompt position (the common start once) before,
+    # then each prompt's last position (one column per distinct prompt length) and 1 for the start
+    groups, p_max, common = len(plan.prefixes), max(p for _, p in plan.prefixes), plan.common_length
+    columns = len({p for _, p in plan.prefixes})
+    prompt_rows = common + groups * (p_max - common) if common else groups * p_max
+    assert trimmed[3] == full[3] - prompt_rows + groups * columns + (1 if common else 0) < full[3]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    own = (pos >= prefix.unsqueeze(1)) & length_mask(lengths, ids.shape[1])
+    torch.testing.assert_close(trimmed[0][own], plain[0][own], rtol=0, atol=2e-5)
+    assert (trimmed[0][~own] == 0).all()  # the prompts (and the padding) hold 0
+    torch.testing.assert_close(trimmed[1], plain[1], rtol=1e-5, atol=1e-7)
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(trimmed[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)

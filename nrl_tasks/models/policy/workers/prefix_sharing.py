@@ -12,7 +12,12 @@ arithmetic; in float32 they agree to rounding (the attention sums split differen
 
 The result has the layout of :func:`~.logprobs.padded_forward_logprobs` (``[B, S]``, position
 ``i`` holds ``log p(token_i | tokens_<i)``, 0 at position 0 and at or past a row's length) and
-holds a value at every position, prompt positions included.
+holds a value at every position, prompt positions included, unless ``prompt_logprobs=False``:
+then (the train path, whose loss reads only ``token_mask`` positions) the prompt passes compute
+the LM head only at each prompt's last position (HF's ``logits_to_keep``; the head is ~20% of
+SmolLM2's FLOPs a token and its logits the largest activations), and a row's positions before its
+first own token hold 0. A loss cannot meet NaN there: the losses zero the stored columns at
+masked positions, so the ratio there is ``exp(0 - 0)``.
 
 ``prefix_lengths[b]`` is how many leading tokens row ``b`` may share: its prompt, i.e. the
 position of its first loss token (``token_mask``). Rows group by their prefix's tokens; a row
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-from nrl_tasks.models.generation.hf_sampling import cache_keyword, new_cache
+from nrl_tasks.models.generation.hf_sampling import cache_keyword, forward_parameters, new_cache
 from nrl_tasks.models.policy.workers.logprobs import next_token_logprobs
 
 #: the prompts' common start runs as its own pass from this many tokens and this many prompts
@@ -115,9 +120,11 @@ def _common_length(ids: torch.Tensor, prefixes: list[tuple[int, int]]) -> int:
 
 
 def shared_prefix_logprobs(
-    model: Any, input_ids: torch.Tensor, plan: PrefixPlan, temperature: float = 1.0
+    model: Any, input_ids: torch.Tensor, plan: PrefixPlan, temperature: float = 1.0, *, prompt_logprobs: bool = True
 ) -> torch.Tensor:
-    """Logprobs ``[B, S]`` (the layout of ``padded_forward_logprobs``) with each prompt run once."""
+    """Logprobs ``[B, S]`` (the layout of ``padded_forward_logprobs``) with each prompt run once;
+    ``prompt_logprobs=False``: 0 at the prompt positions, whose logits are not computed (see the
+    module docstring)."""
     device = input_ids.device
     batch, width = input_ids.shape
     groups = len(plan.prefixes)
@@ -133,16 +140,21 @@ def shared_prefix_logprobs(
     cache_kw = cache_keyword(model)
     cache = new_cache(model)
     common = plan.common_length
+    last_pos = torch.tensor(prefix_len, device=device) - 1  # [G] each prompt's last position
+    # without prompt logprobs, logits only at the prompts' last positions (``keep``, ascending)
+    keep = torch.unique(last_pos) if not prompt_logprobs and "logits_to_keep" in forward_parameters(model) else None
     if common:
         # the start every prompt has (a chat template's system line) runs once for all of them
-        head = model(input_ids=prefix_ids[:1, :common], use_cache=True, **{cache_kw: cache}).logits
+        head = model(input_ids=prefix_ids[:1, :common], use_cache=True, **{cache_kw: cache},
+                     **({} if keep is None else {"logits_to_keep": 1})).logits
         cache.batch_select_indices(torch.zeros(groups, dtype=torch.long, device=device))
         position_ids = torch.arange(common, p_max, device=device).unsqueeze(0).expand(groups, -1)
         tail = model(input_ids=prefix_ids[:, common:], position_ids=position_ids, use_cache=True,
-                     **{cache_kw: cache}).logits
-        pre_logits = torch.cat([head.expand(groups, -1, -1), tail], dim=1)
+                     **{cache_kw: cache}, **({} if keep is None else {"logits_to_keep": keep - common})).logits
+        pre_logits = tail if keep is not None else torch.cat([head.expand(groups, -1, -1), tail], dim=1)
     else:
-        pre_logits = model(input_ids=prefix_ids, use_cache=True, **{cache_kw: cache}).logits
+        pre_logits = model(input_ids=prefix_ids, use_cache=True, **{cache_kw: cache},
+                           **({} if keep is None else {"logits_to_keep": keep})).logits
     # every row gets its prompt's keys and values (the backward sums the rows' gradients)
     cache.batch_select_indices(torch.tensor(plan.group_of_row, device=device))
 
@@ -160,9 +172,16 @@ def shared_prefix_logprobs(
 
     # each pass scores its own next tokens; a row's first own token is predicted by its
     # prompt's last position
-    pre_lp = next_token_logprobs(pre_logits, prefix_ids, temperature)  # [G, P - 1]
+    rows_group = torch.tensor(plan.group_of_row, device=device)
+    if keep is None:
+        pre_lp = next_token_logprobs(pre_logits, prefix_ids, temperature)  # [G, P - 1]
+        if not prompt_logprobs:
+            pre_lp = torch.zeros_like(pre_lp)
+        last = pre_logits[rows_group, last_pos[rows_group]]
+    else:  # pre_logits [G, len(keep), V]: each prompt's last position is its column in keep
+        pre_lp = pre_logits.new_zeros(groups, p_max - 1, dtype=torch.float32)
+        last = pre_logits[rows_group, torch.searchsorted(keep, last_pos)[rows_group]]
     own_lp = next_token_logprobs(own_logits, own_ids, temperature)  # [B, s - 1]
-    last = pre_logits[torch.tensor(plan.group_of_row, device=device), torch.tensor(row_prefix, device=device) - 1]
     bridge = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, own_ids[:, :1]).squeeze(-1)  # [B]
 
     # assemble [B, S] by indexing one flat vector: [pre_lp | bridge | own_lp | 0]

@@ -259,7 +259,9 @@ class PolicyWorker(LogprobMixin, SamplingMixin, RefitMixin, CheckpointMixin, Lif
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ forward
-    def _mb_logprobs(self, mb: BatchedDataDict, packed: bool) -> torch.Tensor:
+    def _mb_logprobs(self, mb: BatchedDataDict, packed: bool, *, prompt_logprobs: bool = True) -> torch.Tensor:
+        """A micro-batch's logprobs ``[B, S]``; ``prompt_logprobs=False`` (training: the loss reads
+        only ``token_mask`` positions) lets the shared-prompt forward skip the prompts' logits."""
         ids = mb["input_ids"].to(self.device)
         lengths = mb["input_lengths"].to(self.device)
         with self._autocast():
@@ -269,7 +271,7 @@ class PolicyWorker(LogprobMixin, SamplingMixin, RefitMixin, CheckpointMixin, Lif
                 )
             plan = self._prefix_plan(mb, ids, lengths)
             if plan is not None:
-                return shared_prefix_logprobs(self.model, ids, plan, self.cfg.temperature)
+                return shared_prefix_logprobs(self.model, ids, plan, self.cfg.temperature, prompt_logprobs=prompt_logprobs)
             return padded_forward_logprobs(self.model, ids, lengths, self.cfg.temperature)
 
     def _prefix_plan(self, mb: BatchedDataDict, ids: torch.Tensor, lengths: torch.Tensor) -> PrefixPlan | None:
@@ -423,7 +425,7 @@ class PolicyWorker(LogprobMixin, SamplingMixin, RefitMixin, CheckpointMixin, Lif
                         logits = logits / self.cfg.temperature
                     loss, metrics = loss_fn(logits, mb, global_valid_seqs, global_valid_toks)
                 else:
-                    lp = self._mb_logprobs(mb, packed)
+                    lp = self._mb_logprobs(mb, packed, prompt_logprobs=False)
                     loss, metrics = loss_fn(lp[:, 1:], mb, global_valid_seqs, global_valid_toks)
                 if not eval_mode:
                     loss.backward()
