@@ -110,7 +110,7 @@ def stage_times(pc: Any, batch: Any, repeats: int) -> dict[str, float]:
         }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny built-in model and small bounds: a smoke run")
     parser.add_argument("--model", default="builtin:smollm2")
@@ -166,14 +166,28 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| stage | measured s | model GFLOP | GFLOP/s | of matmul peak | weight GB read | GB/s | of bandwidth | roofline bound s | fraction of the bound |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     worst = ("", 2.0)
+    figures: dict[str, Any] = {"peak_flops": peak, "bandwidth": moved, "stages": {}}
     for name, s in times.items():
         w = stages[name]
         bound = max(w["flops"] / peak, w["bytes"] / moved)
         frac = bound / s
         worst = min(worst, (name, frac), key=lambda t: t[1])
+        figures["stages"][name] = {"s": s, **w, "bound_s": bound, "fraction": frac}
         print(f"| {name} | {s:.3f} | {w['flops'] / 1e9:.1f} | {w['flops'] / s / 1e9:.1f} | {w['flops'] / s / peak:.0%} "
               f"| {w['bytes'] / 1e9:.2f} | {w['bytes'] / s / 1e9:.2f} | {w['bytes'] / s / moved:.0%} | {bound:.3f} | {frac:.2f} |")
     print(f"\nworst fraction: {worst[0]} at {worst[1]:.2f} of its bound")
+    rates = dict(mm_rows)
+    if not args.quick:  # a decode step multiplies 32 rows: bound it by what such products reach here
+        mc = AutoConfig.from_pretrained(resolve_model_path(model))
+        head = mc.vocab_size * mc.hidden_size
+        decode_tokens = batch.size * (new_tokens - 1)
+        prefill_tokens = stages["generate"]["flops"] / (2 * n_params) - decode_tokens
+        narrow = (prefill_tokens * 2 * n_params / peak
+                  + decode_tokens * (2 * (n_params - head) / rates["32x576 @ 576x1536"] + 2 * head / rates["32x576 @ 576x49152"]))
+        print(f"generate against the 32-row products' rates (body {rates['32x576 @ 576x1536'] / 1e9:.0f}, "
+              f"LM head {rates['32x576 @ 576x49152'] / 1e9:.0f} GFLOP/s): bound {narrow:.3f} s, "
+              f"fraction {narrow / times['generate']:.2f}")
+    return figures
 
 
 if __name__ == "__main__":
