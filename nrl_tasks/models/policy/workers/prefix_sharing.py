@@ -172,15 +172,14 @@ def shared_prefix_logprobs(
 
     # each pass scores its own next tokens; a row's first own token is predicted by its
     # prompt's last position
-    rows_group = torch.tensor(plan.group_of_row, device=device)
-    if keep is None:
+    if prompt_logprobs:
         pre_lp = next_token_logprobs(pre_logits, prefix_ids, temperature)  # [G, P - 1]
-        if not prompt_logprobs:
-            pre_lp = torch.zeros_like(pre_lp)
-        last = pre_logits[rows_group, last_pos[rows_group]]
-    else:  # pre_logits [G, len(keep), V]: each prompt's last position is its column in keep
+    else:
         pre_lp = pre_logits.new_zeros(groups, p_max - 1, dtype=torch.float32)
-        last = pre_logits[rows_group, torch.searchsorted(keep, last_pos)[rows_group]]
+    # with ``keep``, pre_logits is [G, len(keep), V]: a prompt's last position is its column in keep
+    column = last_pos if keep is None else torch.searchsorted(keep, last_pos)
+    rows_group = torch.tensor(plan.group_of_row, device=device)
+    last = pre_logits[rows_group, column[rows_group]]
     own_lp = next_token_logprobs(own_logits, own_ids, temperature)  # [B, s - 1]
     bridge = torch.log_softmax(last.float() / temperature, dim=-1).gather(-1, own_ids[:, :1]).squeeze(-1)  # [B]
 
