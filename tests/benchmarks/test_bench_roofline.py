@@ -4,6 +4,8 @@ No timing assertions."""
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_stage_work_counts_each_shared_prompt_once():
     from benchmarks.bench_actor import make_batch
@@ -20,6 +22,7 @@ def test_stage_work_counts_each_shared_prompt_once():
     assert w["generate"]["flops"] == 2 * n * (2 * 5 + 6 * 3) and w["generate"]["bytes"] == 4 * n * 4
 
 
+@pytest.mark.slow  # the bounds and three stages timed: ~10 s of make test's budget
 def test_quick_run_measures_the_bounds_and_every_stage(capsys):
     from benchmarks.bench_roofline import main
 

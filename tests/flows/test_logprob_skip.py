@@ -61,6 +61,7 @@ def test_recipes_keep_the_reference_weights_only_when_a_step_reads_them(tiny_mod
     assert recipe_for("dpo").reference_weights(no_kl) is True  # DPO's frozen reference, whatever loss_fn says
 
 
+@pytest.mark.slow  # two policies on Ray: keeps make test under 10 minutes
 def test_a_run_without_a_kl_term_starts_its_policy_without_the_reference_copy(tmp_path, ray_session, tiny_model_dir):
     """The session's runtime asks the recipe: a GRPO run with ``reference_policy_kl_penalty: 0`` keeps no
     copy of the initial weights in its policy workers (a model's worth of memory each), and a call that
