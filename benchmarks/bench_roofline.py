@@ -28,22 +28,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import torch
 
-from benchmarks._common import quiet_env
+from benchmarks._common import best_of, quiet_env
 
 
 def _best(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return best_of(fn, repeats)[0]
+
+
+def prompt_length(batch: Any) -> int:
+    """The prompts' length in ``bench_actor``'s batch: where ``token_mask`` first turns on."""
+    from nrl_tasks.models.policy.workers.prefix_sharing import prefix_lengths_from_mask
+
+    return int(prefix_lengths_from_mask(batch["token_mask"], batch["input_lengths"]).min())
 
 
 def matmul_peak(repeats: int, quick: bool) -> tuple[float, list[tuple[str, float]]]:
@@ -63,7 +65,7 @@ def matmul_peak(repeats: int, quick: bool) -> tuple[float, list[tuple[str, float
 def work(batch: Any, n_params: int, new_tokens: int, samples: int) -> dict[str, dict[str, float]]:
     """Model FLOPs and bytes of each stage on ``batch`` (see the module docstring)."""
     lengths = batch["input_lengths"]
-    prompt_len = int((batch["token_mask"] == 0).long().argmin(1).min())
+    prompt_len = prompt_length(batch)
     rows = int(batch.size)
     prompts = rows // samples
     completions = int(lengths.sum()) - rows * prompt_len
@@ -95,7 +97,7 @@ def stage_times(pc: Any, batch: Any, repeats: int) -> dict[str, float]:
     from nrl_tasks.distributed.batched_data_dict import BatchedDataDict
     from nrl_tasks.models.policy.workers.in_process import in_process_worker
 
-    prompt_len = int((batch["token_mask"] == 0).long().argmin(1).min())
+    prompt_len = prompt_length(batch)
     prompts = BatchedDataDict({
         "input_ids": batch["input_ids"][:, :prompt_len].contiguous(),
         "input_lengths": torch.full((batch.size,), prompt_len),
