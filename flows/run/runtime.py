@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -330,18 +331,29 @@ def setup_runtime(
     rt.ray_session_dir = local_ray_session() if fresh else None
     if on_connect is not None:
         on_connect(rt)
-    rt.start_policy()
-    if actors.generation:
+    colocated = bool(actors.generation) and cfg.gen.colocated.enabled
+    starts: list[Callable[[], Any]] = [rt.start_policy]
+    for wanted, start in ((actors.generation and not colocated, rt.start_generation),
+                          (actors.reward_model, rt.start_reward_model), (actors.teacher, rt.start_teacher),
+                          (actors.value, rt.start_value), (actors.environment, rt.start_environment)):
+        if wanted:
+            starts.append(start)
+    _start_together(starts)
+    if actors.generation and colocated:  # sampling inside the policy workers: after them
         rt.start_generation()
-    if actors.reward_model:
-        rt.start_reward_model()
-    if actors.teacher:
-        rt.start_teacher()
-    if actors.value:
-        rt.start_value()
-    if actors.environment:
-        rt.start_environment()
     return rt
+
+
+def _start_together(starts: list[Callable[[], Any]]) -> None:
+    """Run the actor groups' starts at once: each waits on its own actors' processes (imports,
+    model load), which overlap. Every start ends before this returns; the first error is raised."""
+    if len(starts) == 1:
+        starts[0]()
+        return
+    with ThreadPoolExecutor(max_workers=len(starts), thread_name_prefix="nrl-start") as pool:
+        futures = [pool.submit(start) for start in starts]
+    for fut in futures:
+        fut.result()
 
 
 def build_run_context(
