@@ -16,15 +16,24 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Both suites hand out the longest test modules first (tests/fixtures/scheduling.py, from the
+# seconds in tests/module_seconds.json), and each run's timeline says how long a worker idled at the end.
+FAST_TIMELINE := .pytest_cache/timeline-fast.jsonl
+SLOW_TIMELINE := .pytest_cache/timeline-slow.jsonl
+
 # Fast suite (CI's gate, ~8 min on 2 cores). Two test processes (pytest-xdist, one Ray and one
 # Prefect server each; a module's tests stay together): most tests wait on servers and
 # subprocesses, so two share the 2 cores well. `make test-slow` runs the long fault, kill/resume,
 # scale-out and soak suites (marked `slow`) the same way (~20 min); `make test-all` runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope --durations=15
+	mkdir -p .pytest_cache && rm -f $(FAST_TIMELINE)
+	NRL_TEST_TIMELINE=$(CURDIR)/$(FAST_TIMELINE) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope --no-loadscope-reorder --durations=15
+	$(BIN)/python -m tests.fixtures.scheduling $(FAST_TIMELINE)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --durations=40
+	mkdir -p .pytest_cache && rm -f $(SLOW_TIMELINE)
+	NRL_TEST_TIMELINE=$(CURDIR)/$(SLOW_TIMELINE) $(BIN)/python -m pytest -q -m slow -n 2 --dist loadscope --no-loadscope-reorder --durations=40
+	$(BIN)/python -m tests.fixtures.scheduling $(SLOW_TIMELINE)
 
 test-all: test test-slow
 

@@ -32,6 +32,7 @@ pytest_plugins = [
     "tests.fixtures.s3",
     "tests.fixtures.models",
     "tests.fixtures.grpo_runs",
+    "tests.fixtures.scheduling",
 ]
 
 
