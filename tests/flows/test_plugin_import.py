@@ -6,8 +6,6 @@ first in a child process under ``NRL_PLUGIN_IMPORT_TIMEOUT_S``
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.flows.conftest import TINY_CONFIG
@@ -40,17 +38,18 @@ def plugin_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("key, attr", [("env.reward_fn", "f"), ("env.environment", "Env")])
 @pytest.mark.parametrize("name", sorted(PLUGINS))
-def test_a_plugin_that_exits_hangs_or_raises_at_import_is_a_config_error(name, key, attr, plugin_dir, tmp_path, capsys):
+def test_a_plugin_that_exits_hangs_or_raises_at_import_is_a_config_error(name, key, attr, plugin_dir, tmp_path, capsys,
+                                                                         monkeypatch):
     from flows.cli import main
 
+    if name != "sleeps":  # 1 s is for the hang; a child that starts slowly on a busy machine is not one
+        monkeypatch.setenv("NRL_PLUGIN_IMPORT_TIMEOUT_S", "120")
     root = tmp_path / "runs"
-    t0 = time.monotonic()
     rc = main(["grpo", "--config", TINY_CONFIG, "--storage", str(root), "--run-id", "r1", f"{key}=nrl_plug_{name}:{attr}"])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.count("nrl: error:") == 1 and key in err and f"nrl_plug_{name}" in err, err
-    assert PLUGINS[name][1] in err, err
-    assert time.monotonic() - t0 < 30
+    assert PLUGINS[name][1] in err, err  # for the hang: "did not finish within 1 s", so it was cut
     assert not (root / "r1").exists()  # nothing started, nothing written
 
 
