@@ -24,7 +24,7 @@ SLOW_TIMELINE := .pytest_cache/timeline-slow.jsonl
 # Fast suite (CI's gate, ~8 min on 2 cores). Two test processes (pytest-xdist, one Ray and one
 # Prefect server each; a module's tests stay together): most tests wait on servers and
 # subprocesses, so two share the 2 cores well. `make test-slow` runs the long fault, kill/resume,
-# scale-out and soak suites (marked `slow`) the same way (~20 min); `make test-all` runs both.
+# scale-out and soak suites (marked `slow`) the same way (~32 min); `make test-all` runs both.
 test: $(STAMP)
 	mkdir -p .pytest_cache && rm -f $(FAST_TIMELINE)
 	NRL_TEST_TIMELINE=$(CURDIR)/$(FAST_TIMELINE) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope --no-loadscope-reorder --durations=15
